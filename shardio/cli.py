@@ -1,0 +1,162 @@
+"""The ``shardio`` command: argument parsing only; every action is a library call.
+
+Exit codes: 0 success; 1 a problem was found (verify findings, bad input data, I/O failure);
+2 usage error (bad arguments or options); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="shardio", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"shardio {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pk = sub.add_parser("pack", help="pack a tree of small files into checksummed shards")
+    pk.add_argument("src", help="source directory (keys are paths relative to it)")
+    pk.add_argument("out", help="output dataset directory")
+    pk.add_argument("--files-from", metavar="LIST", help="pack only the paths listed (one per line)")
+    pk.add_argument("--format", default="tar", choices=["tar", "hdf5"])
+    pk.add_argument("--shard-size", default=None, help="max shard size, e.g. 256MB (default 256MB)")
+    pk.add_argument("--samples-per-shard", type=int, default=None)
+    pk.add_argument("--workers", type=int, default=1, help="writer processes (default 1)")
+    pk.add_argument("--compress", default=None, help="none | zstd | zstd:LEVEL")
+    pk.add_argument("--zstd-dict", action="store_true", help="train and store a zstd dictionary")
+    pk.add_argument("--label-from-dir", action="store_true",
+                    help="add a 'cls' label from the first directory level (ImageFolder layout)")
+    pk.add_argument("--checksum", default="xxh3_64", help="xxh3_64 (default) | crc32 | crc32c")
+    pk.add_argument("--on-error", default="raise", choices=["raise", "skip"])
+    pk.add_argument("--overwrite", action="store_true", help="replace shardio files in OUT")
+    pk.add_argument("--resume", action="store_true", help="require resuming an unfinished run")
+    pk.add_argument("--no-fsync", action="store_true", help="skip fsync (throwaway output only)")
+    pk.add_argument("--prefix", default="shard", help="shard file name prefix")
+    pk.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="progress bar (default: when stderr is a terminal)")
+    pk.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    vf = sub.add_parser("verify", help="recompute every checksum of a dataset")
+    vf.add_argument("dataset")
+    vf.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+
+    ins = sub.add_parser("inspect", help="summarise a dataset")
+    ins.add_argument("dataset")
+    ins.add_argument("--json", action="store_true")
+    ins.add_argument("--no-shards", action="store_true", help="omit the per-shard listing")
+
+    ix = sub.add_parser("index", help="index existing WebDataset tars in place")
+    ix.add_argument("tars", nargs="+")
+    ix.add_argument("--root", default=None, help="dataset directory (default: common directory)")
+    ix.add_argument("--workers", type=int, default=1)
+    ix.add_argument("--checksum", default="xxh3_64")
+    return p
+
+
+def _cmd_pack(a: argparse.Namespace) -> int:
+    from .config import PackOptions
+    from .packer import pack
+
+    shard_size = a.shard_size
+    if shard_size is None and a.samples_per_shard is None:
+        shard_size = "256MB"
+    opts = PackOptions(
+        format=a.format, shard_size=shard_size, samples_per_shard=a.samples_per_shard,
+        workers=a.workers, compress=a.compress, zstd_dict=a.zstd_dict,
+        label_from_dir=a.label_from_dir, checksum=a.checksum, on_error=a.on_error,
+        overwrite=a.overwrite, resume=a.resume, fsync=not a.no_fsync, prefix=a.prefix,
+    )
+    t0 = time.perf_counter()
+    m = pack(a.src, a.out, opts, files_from=a.files_from, progress=a.progress)
+    dt = max(time.perf_counter() - t0, 1e-9)
+    st = dict(m.stats)
+    st["seconds"] = round(dt, 3)
+    st["files_per_s"] = round(st["files_in"] / dt, 1)
+    st["mb_per_s"] = round(st["raw_bytes"] / dt / 1e6, 1)
+    if a.json:
+        print(json.dumps(st, sort_keys=True))
+        return 0
+    small, shards = st["metadata_ops_small_files"], st["metadata_ops_shards"]
+    print(f"packed {st['files_in']} files ({st['samples']} samples, {_human(st['raw_bytes'])}) "
+          f"into {st['shards']} {m.shard_format} shards ({_human(st['shard_bytes'])}) in "
+          f"{dt:.2f}s: {st['files_per_s']:.0f} files/s, {st['mb_per_s']:.1f} MB/s")
+    print(f"compression ratio {st['compression_ratio']:.2f}x; metadata operations per epoch "
+          f"{small} -> {shards} ({small / max(shards, 1):.0f}x fewer)")
+    if st["skipped"]:
+        print("skipped: " + ", ".join(f"{k}={v}" for k, v in st["skipped"].items()))
+    print(f"manifest: {os.path.join(a.out, 'manifest.json')}")
+    return 0
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    from .verify import verify_dataset
+
+    if not os.path.isdir(a.dataset):
+        print(f"shardio verify: {a.dataset} is not a directory", file=sys.stderr)
+        return 2
+    problems = verify_dataset(a.dataset, workers=max(1, a.workers))
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"{len(problems)} problem(s) found", file=sys.stderr)
+        return 1
+    print("ok", file=sys.stderr)
+    return 0
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    from .summary import describe, format_description
+
+    d = describe(a.dataset)
+    if a.no_shards:
+        d.pop("shard_list")
+    print(json.dumps(d, indent=1) if a.json else format_description(d, not a.no_shards))
+    return 0
+
+
+def _cmd_index(a: argparse.Namespace) -> int:
+    from .indexer import index_tars
+
+    m = index_tars(a.tars, root=a.root, checksum=a.checksum, workers=max(1, a.workers))
+    print(f"indexed {len(m.shards)} tar(s), {m.num_samples} samples; fields: "
+          + ", ".join(sorted(m.fields)))
+    return 0
+
+
+_COMMANDS = {"pack": _cmd_pack, "verify": _cmd_verify, "inspect": _cmd_inspect, "index": _cmd_index}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (tests call ``main([...])``)."""
+    from .errors import ShardioError, UsageError
+
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(f"shardio {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ShardioError as exc:
+        print(f"shardio {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"shardio {args.command}: interrupted; rerun the same command to resume",
+              file=sys.stderr)
+        return 130

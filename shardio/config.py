@@ -1,0 +1,95 @@
+"""Frozen, keyword-only option objects, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._fsutil import parse_size
+from .checksum import DEFAULT_SAMPLE, sample_checksum_fn
+from .codec import parse_compress
+from .errors import UsageError
+
+__all__ = ["ON_ERROR", "PackOptions"]
+
+ON_ERROR = ("raise", "skip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackOptions:
+    """How ``shardio pack`` shards a source.
+
+    Args:
+        format: ``"tar"`` (WebDataset-compatible) or ``"hdf5"``.
+        shard_size: upper bound on a shard's size in bytes (``"256MB"`` accepted); counted on the
+            uncompressed payload plus tar framing, so compressed shards come out smaller.
+            ``None`` with ``samples_per_shard`` set means no byte limit.
+        samples_per_shard: upper bound on samples per shard, or ``None``.
+        workers: processes writing shards in parallel; the output does not depend on it.
+        compress: ``None``/``"none"``, ``"zstd"`` or ``"zstd:LEVEL"``.
+        zstd_dict: train a zstd dictionary on the dataset (for small samples) and store it.
+        label_from_dir: add a ``cls`` field from the first directory level (ImageFolder layout).
+        checksum: per-sample checksum algorithm (``xxh3_64``, ``crc32``, ``crc32c``).
+        on_error: ``"raise"`` stops at the first bad input file; ``"skip"`` counts and skips it.
+        overwrite: replace whatever OUT holds.
+        resume: require a resumable partial run of the same job in OUT.
+        fsync: fsync shards before publishing them (turn off only for throwaway output).
+        prefix: shard file name prefix.
+    """
+
+    format: str = "tar"
+    shard_size: int | str | None = "256MB"
+    samples_per_shard: int | None = None
+    workers: int = 1
+    compress: str | None = None
+    zstd_dict: bool = False
+    label_from_dir: bool = False
+    checksum: str = DEFAULT_SAMPLE
+    on_error: str = "raise"
+    overwrite: bool = False
+    resume: bool = False
+    fsync: bool = True
+    prefix: str = "shard"
+
+    def __post_init__(self) -> None:
+        from .formats import check_format
+
+        check_format(self.format)
+        if self.shard_size is not None:
+            object.__setattr__(self, "shard_size", parse_size(self.shard_size))
+        if self.samples_per_shard is not None and self.samples_per_shard < 1:
+            raise UsageError(f"samples_per_shard must be >= 1, got {self.samples_per_shard}")
+        if self.shard_size is None and self.samples_per_shard is None:
+            raise UsageError("give --shard-size and/or --samples-per-shard")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise UsageError(f"workers must be an integer >= 1, got {self.workers!r}")
+        codec, _ = parse_compress(self.compress)
+        if self.zstd_dict and codec is None:
+            raise UsageError("--zstd-dict needs compression: add --compress zstd")
+        sample_checksum_fn(self.checksum)
+        if self.on_error not in ON_ERROR:
+            raise UsageError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
+        if self.overwrite and self.resume:
+            raise UsageError("--overwrite and --resume contradict each other; pass one")
+        if not self.prefix or "/" in self.prefix or self.prefix.startswith("."):
+            raise UsageError(f"invalid shard prefix {self.prefix!r}")
+
+    @property
+    def shard_bytes(self) -> int | None:
+        return self.shard_size  # type: ignore[return-value]
+
+    @property
+    def codec_name(self) -> str | None:
+        return parse_compress(self.compress)[0]
+
+    @property
+    def codec_level(self) -> int:
+        return parse_compress(self.compress)[1]
+
+    def output_key(self) -> dict[str, object]:
+        """The options that shape the output bytes (workers, overwrite, resume, fsync do not)."""
+        return {
+            "format": self.format, "shard_size": self.shard_size,
+            "samples_per_shard": self.samples_per_shard, "compress": self.compress,
+            "zstd_dict": self.zstd_dict, "label_from_dir": self.label_from_dir,
+            "checksum": self.checksum, "on_error": self.on_error, "prefix": self.prefix,
+        }

@@ -1,0 +1,190 @@
+"""Every exception shardio raises, in one tree.
+
+Each class mixes in the builtin a caller would already catch, so ``except FileNotFoundError`` or
+``except OSError`` keeps working around shardio calls.  Messages name the shard, key and offset
+involved and say what to change.
+
+::
+
+    ShardioError
+    ├── UsageError (ValueError)                 bad arguments or options; CLI exit code 2
+    │   ├── OutputNotEmptyError                  OUT holds other data; pass --overwrite / --resume
+    │   └── OutputInsideSourceError              OUT lies inside SRC
+    ├── SourceError                              a problem with the input tree (pack, index)
+    │   ├── EmptySourceError
+    │   ├── UnreadableFileError (OSError)
+    │   ├── BrokenSymlinkError (OSError)
+    │   ├── SymlinkLoopError (OSError)
+    │   ├── NonUtf8NameError (UnicodeError)
+    │   ├── DuplicateKeyError
+    │   ├── SampleTooLargeError
+    │   └── NotATarError
+    ├── ManifestError                            the manifest is missing, unreadable or inconsistent
+    │   ├── ManifestNotFoundError (FileNotFoundError)
+    │   ├── ManifestCorruptError
+    │   ├── ManifestVersionError                 written by a newer shardio
+    │   └── UnsafePathError                      a shard path escapes the dataset directory
+    ├── ShardNotFoundError (FileNotFoundError)
+    ├── ShardCorruptError                        a shard's bytes are not what the manifest says
+    │   ├── ShardTruncatedError
+    │   ├── IndexCorruptError
+    │   └── ChecksumMismatchError                one sample field failed its checksum
+    ├── ShardIOError (OSError)                   the OS failed a read or write (EIO, ...)
+    │   └── StorageFullError                     ENOSPC / EDQUOT while writing
+    └── MissingDependencyError (ImportError)     an optional package is needed for this feature
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BrokenSymlinkError",
+    "ChecksumMismatchError",
+    "DuplicateKeyError",
+    "EmptySourceError",
+    "IndexCorruptError",
+    "ManifestCorruptError",
+    "ManifestError",
+    "ManifestNotFoundError",
+    "ManifestVersionError",
+    "MissingDependencyError",
+    "NonUtf8NameError",
+    "NotATarError",
+    "OutputInsideSourceError",
+    "OutputNotEmptyError",
+    "SampleTooLargeError",
+    "ShardCorruptError",
+    "ShardIOError",
+    "ShardNotFoundError",
+    "ShardTruncatedError",
+    "ShardioError",
+    "SourceError",
+    "StorageFullError",
+    "SymlinkLoopError",
+    "UnreadableFileError",
+    "UnsafePathError",
+    "UsageError",
+]
+
+
+class ShardioError(Exception):
+    """Root of every error shardio raises."""
+
+
+class UsageError(ShardioError, ValueError):
+    """An argument or option is invalid; the message says which value to pass instead."""
+
+
+class OutputNotEmptyError(UsageError):
+    """The output directory holds data that is not a resumable run of the same job."""
+
+
+class OutputInsideSourceError(UsageError):
+    """The output directory lies inside the source tree, so the pack would read its own shards."""
+
+
+class SourceError(ShardioError):
+    """A problem with the input files of ``pack`` or the tars given to ``index``."""
+
+
+class EmptySourceError(SourceError):
+    """The source holds no sample files."""
+
+
+class UnreadableFileError(SourceError, OSError):
+    """A source file could not be opened or read."""
+
+
+class BrokenSymlinkError(SourceError, OSError):
+    """A symbolic link in the source points at nothing."""
+
+
+class SymlinkLoopError(SourceError, OSError):
+    """Following symbolic links in the source leads back to a directory already visited."""
+
+
+class NonUtf8NameError(SourceError, UnicodeError):
+    """A source path is not valid UTF-8, so it cannot become a portable sample key."""
+
+
+class DuplicateKeyError(SourceError):
+    """Two source files map to the same sample key and field."""
+
+
+class SampleTooLargeError(SourceError):
+    """One sample is larger than the shard size limit."""
+
+
+class NotATarError(SourceError):
+    """A file given to ``shardio index`` is not a readable tar archive."""
+
+
+class ManifestError(ShardioError):
+    """The dataset manifest is missing, unreadable or inconsistent."""
+
+
+class ManifestNotFoundError(ManifestError, FileNotFoundError):
+    """No manifest where a dataset was expected."""
+
+
+class ManifestCorruptError(ManifestError):
+    """The manifest is not valid JSON, misses fields, or fails its own digest."""
+
+
+class ManifestVersionError(ManifestError):
+    """The manifest was written by a newer format version than this shardio reads."""
+
+
+class UnsafePathError(ManifestError):
+    """A path in the manifest is absolute or leaves the dataset directory."""
+
+
+class ShardNotFoundError(ShardioError, FileNotFoundError):
+    """A shard named by the manifest does not exist."""
+
+
+class ShardCorruptError(ShardioError):
+    """A shard's bytes differ from what the manifest and index record."""
+
+
+class ShardTruncatedError(ShardCorruptError):
+    """A shard is shorter than the manifest records."""
+
+
+class IndexCorruptError(ShardCorruptError):
+    """A shard's index is unreadable or fails its checksum."""
+
+
+class ChecksumMismatchError(ShardCorruptError):
+    """A sample field failed its checksum.
+
+    Attributes:
+        shard: path of the shard.
+        key: sample key.
+        field: field name.
+        offset: byte offset of the field's stored bytes in the shard.
+        expected: checksum recorded in the index (hex).
+        found: checksum of the bytes read (hex).
+    """
+
+    def __init__(
+        self, shard: str, key: str, field: str, offset: int, expected: str, found: str
+    ) -> None:
+        self.shard, self.key, self.field, self.offset = shard, key, field, offset
+        self.expected, self.found = expected, found
+        super().__init__(
+            f"{shard}: sample {key!r} field {field!r} at offset {offset}: checksum expected "
+            f"{expected}, found {found}; the shard is corrupt: run `shardio verify` and restore "
+            "the shard from a good copy (or repack)"
+        )
+
+
+class ShardIOError(ShardioError, OSError):
+    """The operating system failed a read or write on a shard."""
+
+
+class StorageFullError(ShardIOError):
+    """The target filesystem ran out of space or quota while writing."""
+
+
+class MissingDependencyError(ShardioError, ImportError):
+    """An optional dependency is needed for the feature in use; the message gives the pip command."""

@@ -1,0 +1,472 @@
+"""The in-shard index shared by every shard format, and the writer/reader interfaces.
+
+Index model (all arrays little-endian numpy, never lists of Python objects, so a reader holding
+thousands of shard indexes stays small and fork-friendly)::
+
+    key_offsets   uint64[n+1]   sample i's key is key_blob[key_offsets[i]:key_offsets[i+1]] (UTF-8)
+    sample_start  uint64[n+1]   sample i owns field rows sample_start[i]:sample_start[i+1]
+    f_name        uint16[m]     index into field_names
+    f_flags       uint8[m]      bit 0: stored bytes are zstd-compressed
+    f_offset      uint64[m]     byte offset of the stored bytes in the shard file
+    f_length      uint64[m]     stored length
+    f_raw_length  uint64[m]     length after decompression
+    f_checksum    uint64[m]     per-field checksum of the stored bytes (algorithm in ``checksum``)
+
+Standalone index file (``<shard>.idx``, used beside tar shards)::
+
+    b"SHARDIDX" | u32 version | u32 header_len | header JSON | pad to 8
+    | arrays in header order, each padded to 8 | u64 xxh3_64 of everything before | b"SHIDXEND"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .._fsutil import translate_oserror
+from ..checksum import hex64, sample_checksum_fn
+from ..codec import Codec
+from ..errors import (
+    ChecksumMismatchError,
+    IndexCorruptError,
+    ManifestVersionError,
+    ShardNotFoundError,
+    ShardTruncatedError,
+)
+
+__all__ = ["IndexBuilder", "ShardIndex", "ShardReader", "ShardWriter", "WrittenShard"]
+
+INDEX_MAGIC = b"SHARDIDX"
+INDEX_END = b"SHIDXEND"
+INDEX_VERSION = 1
+
+_ARRAYS: tuple[tuple[str, str], ...] = (
+    ("key_offsets", "<u8"),
+    ("sample_start", "<u8"),
+    ("f_name", "<u2"),
+    ("f_flags", "u1"),
+    ("f_offset", "<u8"),
+    ("f_length", "<u8"),
+    ("f_raw_length", "<u8"),
+    ("f_checksum", "<u8"),
+)
+
+
+@dataclass
+class ShardIndex:
+    """Where every sample field of one shard lies, with its checksum."""
+
+    field_names: list[str]
+    checksum: str
+    key_blob: bytes
+    key_offsets: np.ndarray
+    sample_start: np.ndarray
+    f_name: np.ndarray
+    f_flags: np.ndarray
+    f_offset: np.ndarray
+    f_length: np.ndarray
+    f_raw_length: np.ndarray
+    f_checksum: np.ndarray
+    meta: dict[str, Any] = field(default_factory=dict)
+    _spans: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.key_offsets) - 1
+
+    def key(self, i: int) -> str:
+        return self.key_blob[int(self.key_offsets[i]) : int(self.key_offsets[i + 1])].decode("utf-8")
+
+    def keys(self) -> list[str]:
+        return [self.key(i) for i in range(len(self))]
+
+    def rows(self, i: int) -> range:
+        return range(int(self.sample_start[i]), int(self.sample_start[i + 1]))
+
+    def spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-sample ``(start, end)`` byte ranges covering every stored field, computed once."""
+        if self._spans is None:
+            n = len(self)
+            lo = np.zeros(n, dtype=np.int64)
+            hi = np.zeros(n, dtype=np.int64)
+            first = self.sample_start[:-1].astype(np.int64)
+            has = self.sample_start[1:] > self.sample_start[:-1]
+            if has.any():
+                off = self.f_offset.astype(np.int64)
+                lo[has] = np.minimum.reduceat(off, first[has])
+                hi[has] = np.maximum.reduceat(off + self.f_length.astype(np.int64), first[has])
+            self._spans = (lo, hi)
+        return self._spans
+
+    def span(self, i: int) -> tuple[int, int]:
+        """``(start, end)`` byte range covering every stored field of sample ``i``."""
+        lo, hi = self.spans()
+        return int(lo[i]), int(hi[i])
+
+    @property
+    def stored_bytes(self) -> int:
+        return int(self.f_length.sum())
+
+    @property
+    def raw_bytes(self) -> int:
+        return int(self.f_raw_length.sum())
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name, _ in _ARRAYS}
+
+    # --- standalone file -------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        arrays = [np.ascontiguousarray(getattr(self, n), dtype=dt) for n, dt in _ARRAYS]
+        header = {
+            "field_names": self.field_names,
+            "checksum": self.checksum,
+            "key_blob_len": len(self.key_blob),
+            "arrays": [[n, dt, int(a.shape[0])] for (n, dt), a in zip(_ARRAYS, arrays)],
+            "meta": self.meta,
+        }
+        hbytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        out = bytearray(INDEX_MAGIC + struct.pack("<II", INDEX_VERSION, len(hbytes)) + hbytes)
+        out += b"\0" * (-len(out) % 8)
+        for blob in [self.key_blob] + [a.tobytes() for a in arrays]:
+            out += blob
+            out += b"\0" * (-len(out) % 8)
+        out += struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(out))) + INDEX_END
+        return bytes(out)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = "<index>") -> ShardIndex:
+        """Parse and check a standalone index.
+
+        Raises:
+            IndexCorruptError: bad magic, truncated, or failing its checksum.
+            ManifestVersionError: written by a newer shardio.
+        """
+        def bad(why: str) -> IndexCorruptError:
+            return IndexCorruptError(
+                f"index {where} is corrupt ({why}); rebuild it with `shardio index` or restore it"
+            )
+
+        if len(data) < 32 or data[:8] != INDEX_MAGIC or data[-8:] != INDEX_END:
+            raise bad("bad magic or truncated")
+        (stored,) = struct.unpack_from("<Q", data, len(data) - 16)
+        if xxhash.xxh3_64_intdigest(data[:-16]) != stored:
+            raise bad("checksum mismatch")
+        version, hlen = struct.unpack_from("<II", data, 8)
+        if version > INDEX_VERSION:
+            raise ManifestVersionError(
+                f"index {where} has format version {version}, newer than this shardio reads "
+                f"({INDEX_VERSION}); upgrade shardio: pip install -U shardio"
+            )
+        try:
+            header = json.loads(data[16 : 16 + hlen])
+            pos = 16 + hlen
+            pos += -pos % 8
+            klen = int(header["key_blob_len"])
+            key_blob = bytes(data[pos : pos + klen])
+            pos += klen + (-klen % 8)
+            arrays: dict[str, np.ndarray] = {}
+            for name, dt, count in header["arrays"]:
+                nbytes = np.dtype(dt).itemsize * count
+                arrays[name] = np.frombuffer(data, dtype=dt, count=count, offset=pos)
+                pos += nbytes + (-nbytes % 8)
+            return cls(
+                field_names=list(header["field_names"]),
+                checksum=header["checksum"],
+                key_blob=key_blob,
+                meta=dict(header.get("meta", {})),
+                **arrays,
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise bad(f"malformed header: {exc}") from exc
+
+
+class IndexBuilder:
+    """Accumulate index rows while a shard is written."""
+
+    def __init__(self, checksum: str) -> None:
+        self.checksum = checksum
+        self._names: dict[str, int] = {}
+        self._keys = bytearray()
+        self._key_offsets = [0]
+        self._sample_start = [0]
+        self._rows: list[tuple[int, int, int, int, int, int]] = []
+
+    def add_sample(self, key: str) -> None:
+        self._keys += key.encode("utf-8")
+        self._key_offsets.append(len(self._keys))
+        self._sample_start.append(self._sample_start[-1])
+
+    def add_field(
+        self, name: str, flags: int, offset: int, length: int, raw_length: int, checksum: int
+    ) -> None:
+        nid = self._names.setdefault(name, len(self._names))
+        self._rows.append((nid, flags, offset, length, raw_length, checksum))
+        self._sample_start[-1] += 1
+
+    def __len__(self) -> int:
+        return len(self._key_offsets) - 1
+
+    def build(self, meta: dict[str, Any] | None = None) -> ShardIndex:
+        rows = np.array(self._rows, dtype=np.uint64).reshape(-1, 6)
+        return ShardIndex(
+            field_names=list(self._names),
+            checksum=self.checksum,
+            key_blob=bytes(self._keys),
+            key_offsets=np.array(self._key_offsets, dtype="<u8"),
+            sample_start=np.array(self._sample_start, dtype="<u8"),
+            f_name=rows[:, 0].astype("<u2"),
+            f_flags=rows[:, 1].astype("u1"),
+            f_offset=rows[:, 2].astype("<u8"),
+            f_length=rows[:, 3].astype("<u8"),
+            f_raw_length=rows[:, 4].astype("<u8"),
+            f_checksum=rows[:, 5].astype("<u8"),
+            meta=dict(meta or {}),
+        )
+
+
+@dataclass
+class WrittenShard:
+    """What a writer reports once a shard and its index are published."""
+
+    path: str
+    index_path: str | None
+    samples: int
+    bytes: int
+    digest: str
+    index_digest: str
+    stored_bytes: int
+    raw_bytes: int
+    fields: dict[str, int]
+
+
+class ShardWriter:
+    """Write one shard to a temp name; :meth:`close` publishes it atomically, :meth:`abort` drops it."""
+
+    suffix = ""
+
+    def add(self, key: str, fields: Sequence[tuple[str, bytes]]) -> None:
+        raise NotImplementedError
+
+    def close(self, meta: dict[str, Any] | None = None) -> WrittenShard:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+class ShardReader:
+    """Random access to the samples of one shard, opened lazily (safe to pickle and fork).
+
+    Stored bytes are read with ``pread`` on a descriptor opened lazily in each process;
+    ``pread`` rather than ``mmap`` because a shard truncated under a live mapping kills the
+    process with SIGBUS, while a short ``pread`` becomes a typed error.
+
+    Args:
+        path: shard file.
+        index: its :class:`ShardIndex` (offsets absolute in the file).
+        codec: decompression for fields stored compressed.
+        verify: check the per-field checksum of every field read.
+        expected_size: byte size the manifest records; a shorter file raises on open.
+    """
+
+    def __init__(self, path: str, index: ShardIndex, codec: Codec, verify: bool = True,
+                 expected_size: int | None = None) -> None:
+        self.path = path
+        self.index = index
+        self.codec = codec
+        self.verify = verify
+        self.expected_size = expected_size
+        self._check = sample_checksum_fn(index.checksum)
+        self._hfd: int | None = None
+        self._hpid = -1
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _fd(self) -> int:
+        if self._hfd is None or self._hpid != os.getpid():
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError as exc:
+                raise ShardNotFoundError(
+                    f"shard {self.path} is missing; restore it or repack the dataset"
+                ) from exc
+            except OSError as exc:
+                raise translate_oserror(exc, self.path, "opening shard") from exc
+            size = os.fstat(fd).st_size
+            if self.expected_size is not None and size < self.expected_size:
+                os.close(fd)
+                raise ShardTruncatedError(
+                    f"shard {self.path} has {size} bytes, the manifest records "
+                    f"{self.expected_size}; it was truncated: restore it from a good copy"
+                )
+            self._hfd, self._hpid = fd, os.getpid()
+        return self._hfd
+
+    def read_span(self, start: int, end: int) -> bytes:
+        """Return shard bytes ``[start, end)``.
+
+        Raises:
+            ShardTruncatedError: the file ends before ``end``.
+            ShardIOError: the read failed (EIO, ...).
+        """
+        n = end - start
+        if n <= 0:
+            return b""
+        try:
+            data = os.pread(self._fd(), n, start)
+        except OSError as exc:
+            raise translate_oserror(exc, self.path, f"reading offset {start} of") from exc
+        if len(data) < n:
+            raise ShardTruncatedError(
+                f"shard {self.path}: short read at offset {start} ({len(data)} of {n} bytes); "
+                "the shard is truncated: restore it from a good copy"
+            )
+        return data
+
+    def close(self) -> None:
+        """Release the descriptor (it reopens on next use)."""
+        if self._hfd is not None and self._hpid == os.getpid():
+            os.close(self._hfd)
+        self._hfd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _decode(self, i: int, base: int, buf: bytes | memoryview) -> dict[str, Any]:
+        idx = self.index
+        sample: dict[str, Any] = {"__key__": idx.key(i)}
+        mv = memoryview(buf)
+        for r in idx.rows(i):
+            off = int(idx.f_offset[r]) - base
+            stored = mv[off : off + int(idx.f_length[r])]
+            name = idx.field_names[int(idx.f_name[r])]
+            if self.verify:
+                found = self._check(stored)
+                if found != int(idx.f_checksum[r]):
+                    raise ChecksumMismatchError(
+                        self.path, sample["__key__"], name, int(idx.f_offset[r]),
+                        hex64(idx.f_checksum[r]), hex64(found),
+                    )
+            sample[name] = self.codec.decode(stored, int(idx.f_flags[r]), int(idx.f_raw_length[r]))
+        return sample
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """Sample ``i`` as ``{"__key__": key, field: bytes, ...}``.
+
+        Raises:
+            ChecksumMismatchError: a field failed its checksum.
+            ShardTruncatedError, ShardIOError: the bytes could not be read.
+        """
+        if not 0 <= i < len(self.index):
+            raise IndexError(f"sample {i} out of range for shard {self.path} ({len(self)} samples)")
+        start, end = self.index.span(i)
+        return self._decode(i, start, self.read_span(start, end))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Samples in shard order, read in large blocks rather than one read per sample."""
+        block = 8 << 20
+        n = len(self.index)
+        lo, hi = self.index.spans()
+        i = 0
+        while i < n:
+            start, end = int(lo[i]), int(hi[i])
+            j = i + 1
+            while j < n and lo[j] >= start and hi[j] - start <= block:
+                end = max(end, int(hi[j]))
+                j += 1
+            buf = self.read_span(start, end)
+            for k in range(i, j):
+                yield self._decode(k, start, buf)
+            i = j
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_check", None)
+        state["_hfd"], state["_hpid"] = None, -1
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._check = sample_checksum_fn(self.index.checksum)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of a verification pass, printed as one line by ``shardio verify``."""
+
+    path: str
+    what: str
+    key: str | None = None
+    field: str | None = None
+    offset: int | None = None
+    expected: str | None = None
+    found: str | None = None
+
+    def __str__(self) -> str:
+        parts = [f"{self.path}: {self.what}"]
+        if self.key is not None:
+            parts.append(f"key={self.key!r}")
+        if self.field is not None:
+            parts.append(f"field={self.field!r}")
+        if self.offset is not None:
+            parts.append(f"offset={self.offset}")
+        if self.expected is not None or self.found is not None:
+            parts.append(f"expected={self.expected} found={self.found}")
+        return " ".join(parts)
+
+
+def verify_fields(path: str, index: ShardIndex, block: int = 8 << 20) -> list[Problem]:
+    """Recompute every field checksum of a shard against its index; return what is wrong.
+
+    Reads in blocks of about ``block`` bytes.  Fields past the end of a truncated file are
+    reported as ``truncated``.
+    """
+    check = sample_checksum_fn(index.checksum)
+    problems: list[Problem] = []
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return [Problem(path, f"cannot open ({exc.strerror})")]
+    try:
+        size = os.fstat(fd).st_size
+        lo, hi = index.spans()
+        n = len(index)
+        i = 0
+        while i < n:
+            start, end = int(lo[i]), int(hi[i])
+            j = i + 1
+            while j < n and lo[j] >= start and hi[j] - start <= block:
+                end = max(end, int(hi[j]))
+                j += 1
+            try:
+                buf = os.pread(fd, max(0, min(end, size) - start), start) if start < size else b""
+            except OSError as exc:
+                problems.append(Problem(path, f"read error ({exc.strerror})", offset=start))
+                buf = b""
+            mv = memoryview(buf)
+            for k in range(i, j):
+                for r in index.rows(k):
+                    off, ln = int(index.f_offset[r]), int(index.f_length[r])
+                    name = index.field_names[int(index.f_name[r])]
+                    if off + ln > start + len(buf):
+                        problems.append(Problem(path, "truncated", index.key(k), name, off,
+                                                f"{ln} bytes", f"{max(0, size - off)} bytes"))
+                        continue
+                    found = check(mv[off - start : off - start + ln])
+                    if found != int(index.f_checksum[r]):
+                        problems.append(Problem(path, "checksum mismatch", index.key(k), name, off,
+                                                hex64(index.f_checksum[r]), hex64(found)))
+            i = j
+    finally:
+        os.close(fd)
+    return problems

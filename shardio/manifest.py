@@ -1,0 +1,201 @@
+"""The dataset manifest: the one file that says what a dataset is, written last, atomically.
+
+``<dataset>/manifest.json`` (format version 1)::
+
+    {
+      "format": "shardio", "version": 1, "created_by": "shardio 0.1.0",
+      "shard_format": "tar" | "hdf5",
+      "checksum": {"sample": "xxh3_64", "shard": "xxh3_128"},
+      "compression": null | {"codec": "zstd", "level": 3, "dictionary": "zstd.dict" | null,
+                             "dictionary_digest": "..." | null},
+      "fields": {"jpg": 20000, "cls": 20000},          # samples carrying each field
+      "labels": null | {"field": "cls", "names": ["cat", "dog", ...]},
+      "num_samples": 20000,
+      "shards": [{"path": "shard-000000.tar", "index": "shard-000000.tar.idx", "samples": 512,
+                  "bytes": ..., "digest": "...", "index_digest": "...",
+                  "stored_bytes": ..., "raw_bytes": ...}, ...],
+      "stats": {...},                                    # pack summary (informational)
+      "job": "..." | null,                               # fingerprint of the pack job
+      "manifest_digest": "..."                           # xxh3_128 of the canonical JSON of the rest
+    }
+
+Paths are relative to the manifest's directory and may never be absolute or contain ``..``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ._fsutil import atomic_write_bytes, check_relpath
+from .checksum import DEFAULT_DIGEST, DEFAULT_SAMPLE, digest_bytes
+from .errors import (
+    ManifestCorruptError,
+    ManifestNotFoundError,
+    ManifestVersionError,
+)
+
+__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "ShardEntry"]
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard as the manifest records it."""
+
+    path: str
+    samples: int
+    bytes: int
+    digest: str
+    index: str | None = None
+    index_digest: str = ""
+    stored_bytes: int = 0
+    raw_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        check_relpath(self.path)
+        if self.index is not None:
+            check_relpath(self.index)
+
+
+@dataclass
+class Manifest:
+    """In-memory model of ``manifest.json``; see the module docstring for the layout."""
+
+    shard_format: str
+    shards: list[ShardEntry]
+    fields: dict[str, int]
+    checksum: str = DEFAULT_SAMPLE
+    digest: str = DEFAULT_DIGEST
+    compression: dict[str, Any] | None = None
+    labels: dict[str, Any] | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    job: str | None = None
+    version: int = FORMAT_VERSION
+    created_by: str = ""
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    @property
+    def label_names(self) -> list[str] | None:
+        return list(self.labels["names"]) if self.labels else None
+
+    # --- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "format": "shardio",
+            "version": self.version,
+            "created_by": self.created_by,
+            "shard_format": self.shard_format,
+            "checksum": {"sample": self.checksum, "shard": self.digest},
+            "compression": self.compression,
+            "fields": dict(sorted(self.fields.items())),
+            "labels": self.labels,
+            "num_samples": self.num_samples,
+            "shards": [asdict(s) for s in self.shards],
+            "stats": self.stats,
+            "job": self.job,
+        }
+        body["manifest_digest"] = _body_digest(body)
+        return body
+
+    def to_json(self) -> bytes:
+        return (json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n").encode()
+
+    def save(self, directory: str) -> str:
+        """Publish ``directory/manifest.json`` atomically; return its path."""
+        path = os.path.join(directory, MANIFEST_NAME)
+        atomic_write_bytes(path, self.to_json())
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = MANIFEST_NAME, strict: bool = True) -> Manifest:
+        """Build a manifest from parsed JSON.
+
+        Args:
+            strict: refuse a manifest whose ``manifest_digest`` does not match its content.
+
+        Raises:
+            ManifestVersionError: newer format version.
+            ManifestCorruptError: missing fields or digest mismatch.
+            UnsafePathError: a shard path escapes the dataset directory.
+        """
+        if not isinstance(data, dict) or data.get("format") != "shardio":
+            raise ManifestCorruptError(
+                f"{where} is not a shardio manifest; for existing WebDataset tars run "
+                "`shardio index TAR...`, otherwise pack the data with `shardio pack`"
+            )
+        version = data.get("version")
+        if not isinstance(version, int) or version < 1:
+            raise ManifestCorruptError(f"{where}: invalid format version {version!r}")
+        if version > FORMAT_VERSION:
+            raise ManifestVersionError(
+                f"{where} has format version {version}, newer than this shardio reads "
+                f"({FORMAT_VERSION}); upgrade shardio: pip install -U shardio"
+            )
+        if strict and data.get("manifest_digest") != _body_digest(data):
+            raise ManifestCorruptError(
+                f"{where} fails its own digest: it was edited or damaged; restore it, or rebuild "
+                "it with `shardio index` (tar) / repack"
+            )
+        try:
+            checksum = data["checksum"]
+            return cls(
+                shard_format=str(data["shard_format"]),
+                shards=[ShardEntry(**s) for s in data["shards"]],
+                fields={str(k): int(v) for k, v in data["fields"].items()},
+                checksum=str(checksum["sample"]),
+                digest=str(checksum["shard"]),
+                compression=data.get("compression"),
+                labels=data.get("labels"),
+                stats=dict(data.get("stats") or {}),
+                job=data.get("job"),
+                version=version,
+                created_by=str(data.get("created_by", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ManifestCorruptError(
+                f"{where} is missing or has malformed entries ({exc!r}); restore it or repack"
+            ) from exc
+
+    @classmethod
+    def load(cls, directory: str, strict: bool = True) -> Manifest:
+        """Read ``directory/manifest.json`` (``directory`` may also be the manifest path itself).
+
+        Raises:
+            ManifestNotFoundError: no manifest there.
+            ManifestCorruptError, ManifestVersionError, UnsafePathError: see :meth:`from_dict`.
+        """
+        path = directory if directory.endswith(".json") else os.path.join(directory, MANIFEST_NAME)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError as exc:
+            raise ManifestNotFoundError(
+                f"no manifest at {path}; create the dataset with `shardio pack SRC {directory}` "
+                "or index existing tars with `shardio index`"
+            ) from exc
+        except IsADirectoryError as exc:
+            raise ManifestNotFoundError(f"{path} is a directory, not a manifest") from exc
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ManifestCorruptError(
+                f"{path} is not valid JSON ({exc}); it is damaged: restore it or repack"
+            ) from exc
+        return cls.from_dict(data, path, strict=strict)
+
+
+def _body_digest(body: dict[str, Any]) -> str:
+    rest = {k: v for k, v in body.items() if k != "manifest_digest"}
+    return digest_bytes(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())
