@@ -24,6 +24,7 @@ __all__ = ["TarWriter", "index_tar", "load_tar_index", "split_member_name"]
 
 BLOCK = 512
 _FLUSH = 8 << 20
+_IOV_MAX = 1024
 _ZERO = bytes(BLOCK * 2)
 
 
@@ -31,22 +32,32 @@ def _octal(value: int, width: int) -> bytes:
     return b"%0*o\0" % (width - 1, value)
 
 
+def _template() -> tuple[bytes, bytes, int]:
+    hdr = bytearray(BLOCK)
+    hdr[100:108] = _octal(0o444, 8)
+    hdr[108:116] = _octal(0, 8)
+    hdr[116:124] = _octal(0, 8)
+    hdr[136:148] = _octal(0, 12)
+    hdr[148:156] = b" " * 8
+    hdr[156:157] = b"0"
+    hdr[257:265] = b"ustar\x0000"
+    return bytes(hdr[100:124]), bytes(hdr[136:148]), sum(hdr)
+
+
+# Every member shares mode/uid/gid/mtime/type/magic; only the name and size vary, so the header
+# checksum is the template's plus the bytes of those two fields (a tenth of the cost of tarfile).
+_MODE_IDS, _MTIME, _BASE_SUM = _template()
+_TAIL = b"0" + bytes(100) + b"ustar\x0000" + bytes(BLOCK - 265)
+
+
 def ustar_header(name: str, size: int) -> bytes:
     """Header block(s) for a regular file member; pax extension when ustar cannot hold the name."""
     raw = name.encode("utf-8")
     if len(raw) <= 100 and raw.isascii() and size < 8**11:
-        hdr = bytearray(BLOCK)
-        hdr[0 : len(raw)] = raw
-        hdr[100:108] = _octal(0o444, 8)
-        hdr[108:116] = _octal(0, 8)
-        hdr[116:124] = _octal(0, 8)
-        hdr[124:136] = _octal(size, 12)
-        hdr[136:148] = _octal(0, 12)
-        hdr[148:156] = b" " * 8
-        hdr[156:157] = b"0"
-        hdr[257:265] = b"ustar\x0000"
-        hdr[148:156] = b"%06o\0 " % sum(hdr)
-        return bytes(hdr)
+        size_field = b"%011o\0" % size
+        chk = _BASE_SUM + sum(raw) + sum(size_field)
+        return b"".join((raw, bytes(100 - len(raw)), _MODE_IDS, size_field, _MTIME,
+                         b"%06o\0 " % chk, _TAIL))
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime, info.type = size, 0o444, 0, tarfile.REGTYPE
     return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
@@ -75,51 +86,71 @@ class TarWriter(ShardWriter):
         self._check = sample_checksum_fn(checksum)
         self._digest = new_digest()
         self._index = IndexBuilder(checksum)
-        self._buf = bytearray()
+        self._iov: list[bytes] = []
+        self._pending = 0
         self._pos = 0
         self._fields: dict[str, int] = {}
         self._raw = 0
         try:
-            self._f = open(self._tmp, "wb", buffering=0)
+            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise translate_oserror(exc, final, "creating shard") from exc
 
-    def _emit(self, data: bytes) -> None:
-        self._buf += data
-        self._pos += len(data)
-        if len(self._buf) >= _FLUSH:
-            self._flush()
+    def _emit(self, part: bytes) -> None:
+        self._iov.append(part)
+        self._digest.update(part)
+        self._pending += len(part)
+        self._pos += len(part)
 
     def _flush(self) -> None:
-        if self._buf:
-            self._digest.update(self._buf)
-            try:
-                self._f.write(self._buf)
-            except OSError as exc:
-                raise translate_oserror(exc, self.final, "writing shard") from exc
-            self._buf = bytearray()
+        iov = self._iov
+        self._iov, self._pending = [], 0
+        try:
+            while iov:
+                batch = iov[:_IOV_MAX]
+                n = os.writev(self._fd, batch)
+                # A short write is legal: drop what went out and retry the rest.
+                k = 0
+                while k < len(batch) and n >= len(batch[k]):
+                    n -= len(batch[k])
+                    k += 1
+                iov = iov[k:]
+                if n:
+                    iov[0] = iov[0][n:]
+        except OSError as exc:
+            raise translate_oserror(exc, self.final, "writing shard") from exc
 
     def add(self, key: str, fields: Sequence[tuple[str, bytes]]) -> None:
         self._index.add_sample(key)
+        iov, update = self._iov, self._digest.update
         for name, data in fields:
             stored, flags = self.codec.encode(data)
             member = f"{key}.{name}.zst" if flags & FLAG_ZSTD else f"{key}.{name}"
             n = len(stored)
-            self._emit(ustar_header(member, n))
-            self._index.add_field(name, flags, self._pos, n, len(data), self._check(stored))
-            self._emit(stored)
-            if n % BLOCK:
-                self._emit(_ZERO[: BLOCK - n % BLOCK])
+            header = ustar_header(member, n)
+            pad = _ZERO[: -n % BLOCK]
+            self._index.add_field(name, flags, self._pos + len(header), n, len(data),
+                                  self._check(stored))
+            iov += (header, stored, pad)
+            update(header)
+            update(stored)
+            update(pad)
+            size = len(header) + n + len(pad)
+            self._pos += size
+            self._pending += size
             self._fields[name] = self._fields.get(name, 0) + 1
             self._raw += len(data)
+        if self._pending >= _FLUSH or len(iov) >= _IOV_MAX - 64:
+            self._flush()
 
     def close(self, meta: dict[str, Any] | None = None) -> WrittenShard:
         self._emit(_ZERO)
         try:
             self._flush()
             if self.fsync:
-                os.fsync(self._f.fileno())
-            self._f.close()
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
         except BaseException:
             self.abort()
             raise
@@ -147,10 +178,12 @@ class TarWriter(ShardWriter):
         )
 
     def abort(self) -> None:
-        try:
-            self._f.close()
-        except OSError:
-            pass
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
         _unlink(self._tmp)
 
 
