@@ -9,7 +9,7 @@ from .checksum import DEFAULT_SAMPLE, sample_checksum_fn
 from .codec import parse_compress
 from .errors import UsageError
 
-__all__ = ["ON_ERROR", "PackOptions"]
+__all__ = ["ON_ERROR", "PackOptions", "ReadOptions"]
 
 ON_ERROR = ("raise", "skip")
 
@@ -93,3 +93,44 @@ class PackOptions:
             "zstd_dict": self.zstd_dict, "label_from_dir": self.label_from_dir,
             "checksum": self.checksum, "on_error": self.on_error, "prefix": self.prefix,
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadOptions:
+    """How :class:`~shardio.ShardDataset` orders, splits and decodes a dataset.
+
+    Args:
+        shuffle: shuffle every epoch (deterministically from ``seed`` and the epoch).
+        seed: shuffle seed; the same seed gives the same order on any number of ranks/workers.
+        decode: ``False`` yields raw bytes; ``True`` uses the built-in decoders
+            (:mod:`shardio.decode`).
+        batch_size: the batch size of the DataLoader that consumes the dataset. Work is split
+            across workers in whole batches so that resume is exact; it must match.
+        remainder: ``"pad"`` (repeat samples so every rank gets ceil(N/R)) or ``"drop"``.
+        shuffle_block: samples shuffled together; bounds the memory of the shuffle.
+        verify: check the per-field checksum of every sample read.
+        allow_pickle: let ``decode=True`` unpickle ``pickle``/``pyd`` fields (untrusted code).
+        image_mode: Pillow mode images decode to (``"RGB"``, ``"L"``, ...).
+        max_open_shards: shard readers (descriptor + index) kept open per process.
+    """
+
+    shuffle: bool = True
+    seed: int = 0
+    decode: bool = False
+    batch_size: int = 1
+    remainder: str = "pad"
+    shuffle_block: int = 1 << 18
+    verify: bool = True
+    allow_pickle: bool = False
+    image_mode: str = "RGB"
+    max_open_shards: int = 64
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise UsageError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.remainder not in ("pad", "drop"):
+            raise UsageError(f"remainder must be 'pad' or 'drop', got {self.remainder!r}")
+        if self.shuffle_block < 1:
+            raise UsageError(f"shuffle_block must be >= 1, got {self.shuffle_block}")
+        if self.max_open_shards < 1:
+            raise UsageError(f"max_open_shards must be >= 1, got {self.max_open_shards}")

@@ -29,6 +29,7 @@ involved and say what to change.
     │   ├── ShardTruncatedError
     │   ├── IndexCorruptError
     │   └── ChecksumMismatchError                one sample field failed its checksum
+    ├── DecodeError (ValueError)                 a field's bytes do not decode (malformed source)
     ├── ShardIOError (OSError)                   the OS failed a read or write (EIO, ...)
     │   └── StorageFullError                     ENOSPC / EDQUOT while writing
     └── MissingDependencyError (ImportError)     an optional package is needed for this feature
@@ -39,6 +40,7 @@ from __future__ import annotations
 __all__ = [
     "BrokenSymlinkError",
     "ChecksumMismatchError",
+    "DecodeError",
     "DuplicateKeyError",
     "EmptySourceError",
     "IndexCorruptError",
@@ -176,6 +178,10 @@ class ChecksumMismatchError(ShardCorruptError):
             f"{expected}, found {found}; the shard is corrupt: run `shardio verify` and restore "
             "the shard from a good copy (or repack)"
         )
+
+
+class DecodeError(ShardioError, ValueError):
+    """A field's bytes passed their checksum but do not decode: the source file was malformed."""
 
 
 class ShardIOError(ShardioError, OSError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,14 +56,16 @@ class DatasetReader:
         verify: check each field's checksum on read.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, verify: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, verify: bool = True,
+                 max_open_shards: int = 64) -> None:
         self.root = os.fspath(root)
+        self.max_open_shards = max_open_shards
         self.manifest = Manifest.load(self.root)
         self.verify = verify
         self.codec = load_codec(self.root, self.manifest)
         counts = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(counts)])
-        self._readers: dict[int, ShardReader] = {}
+        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -84,7 +87,9 @@ class DatasetReader:
             ShardNotFoundError, ShardTruncatedError, IndexCorruptError: the shard is unusable.
         """
         reader = self._readers.get(i)
-        if reader is None:
+        if reader is not None:
+            self._readers.move_to_end(i)
+        else:
             entry = self.manifest.shards[i]
             path = self.shard_path(i)
             try:
@@ -107,6 +112,8 @@ class DatasetReader:
                 )
             reader = ShardReader(path, index, self.codec, self.verify, entry.bytes)
             self._readers[i] = reader
+            while len(self._readers) > self.max_open_shards:
+                self._readers.popitem(last=False)[1].close()
         return reader
 
     def locate(self, i: int) -> tuple[int, int]:
@@ -122,6 +129,19 @@ class DatasetReader:
     def __getitem__(self, i: int) -> dict[str, Any]:
         s, j = self.locate(i)
         return self.shard(s)[j]
+
+    def read_ids(self, ids: np.ndarray) -> Iterator[dict[str, Any]]:
+        """Samples with global ids ``ids``, in that order; runs of consecutive ids in one shard
+        are read with one large ``pread`` instead of one per sample."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) == 0:
+            return
+        shards = np.searchsorted(self.offsets, ids, side="right") - 1
+        breaks = np.flatnonzero((np.diff(ids) != 1) | (np.diff(shards) != 0)) + 1
+        for run in np.split(np.arange(len(ids)), breaks):
+            s = int(shards[run[0]])
+            base = int(self.offsets[s])
+            yield from self.shard(s).iter_range(int(ids[run[0]]) - base, int(ids[run[-1]]) - base + 1)
 
     def iter_shard(self, i: int) -> Iterator[dict[str, Any]]:
         return iter(self.shard(i))
@@ -143,10 +163,11 @@ class DatasetReader:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_readers"] = {}
+        state["_readers"] = OrderedDict()
         return state
 
 
-def open_dataset(root: str | os.PathLike[str], *, verify: bool = True) -> DatasetReader:
+def open_dataset(root: str | os.PathLike[str], *, verify: bool = True,
+                 max_open_shards: int = 64) -> DatasetReader:
     """Open a packed dataset for random access; see :class:`DatasetReader`."""
-    return DatasetReader(root, verify=verify)
+    return DatasetReader(root, verify=verify, max_open_shards=max_open_shards)

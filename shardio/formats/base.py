@@ -374,14 +374,16 @@ class ShardReader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Samples in shard order, read in large blocks rather than one read per sample."""
-        block = 8 << 20
-        n = len(self.index)
+        return self.iter_range(0, len(self.index))
+
+    def iter_range(self, first: int, stop: int, block: int = 8 << 20) -> Iterator[dict[str, Any]]:
+        """Samples ``first..stop-1`` in order, coalesced into reads of up to ``block`` bytes."""
         lo, hi = self.index.spans()
-        i = 0
-        while i < n:
+        i = first
+        while i < stop:
             start, end = int(lo[i]), int(hi[i])
             j = i + 1
-            while j < n and lo[j] >= start and hi[j] - start <= block:
+            while j < stop and lo[j] >= start and hi[j] - start <= block:
                 end = max(end, int(hi[j]))
                 j += 1
             buf = self.read_span(start, end)

@@ -1,0 +1,32 @@
+# Set-up on a fresh machine needs only Python 3.10+ and make:
+#   make demo   create .venv, install shardio, generate a small image folder, pack, verify, read back
+#   make test   create .venv, install shardio with test extras, run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch is pinned: 2.13.0 is the CPU build the project is tested with.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q "$(TORCH)" -e ".[test,bench]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/python tools/demo.py
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/bench_pack.py
+
+clean:
+	rm -rf demo-out .pytest_cache .hypothesis

@@ -1,0 +1,220 @@
+"""``ShardDataset``: a drop-in ``torch.utils.data.IterableDataset`` over a shardio dataset.
+
+Order and partition follow :mod:`shardio.order`: the epoch order is a pure function of
+(manifest, seed, epoch), split across ranks in equal shares and across DataLoader workers in whole
+batches, so that ``state_dict()`` after ``k`` batches names an exact prefix of the epoch and a
+resumed job (any world size, worker count or batch size) delivers exactly the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .config import ReadOptions
+from .decode import decode_sample
+from .errors import UsageError
+from .order import EpochOrder, RankPlan
+from .reader import DatasetReader
+from .topology import Topology
+
+__all__ = ["ShardDataset"]
+
+STATE_VERSION = 1
+
+
+def _detect_topology() -> Topology:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return Topology(rank=dist.get_rank(), world_size=dist.get_world_size())
+    return Topology.from_env()
+
+
+class ShardDataset(IterableDataset[dict[str, Any]]):
+    """Iterate the samples of a shardio dataset, ``{"__key__": str, field: value, ...}``.
+
+    Works under ``torch.utils.data.DataLoader`` with any ``num_workers`` and under
+    ``torch.distributed`` (rank and world size from the process group, else from
+    ``RANK``/``WORLD_SIZE``, ``SLURM_PROCID``/``SLURM_NTASKS`` ..., or ``topology=``).
+
+    Args:
+        path: dataset directory (with ``manifest.json``).
+        options: a :class:`~shardio.config.ReadOptions`; or pass its fields as keywords
+            (``shuffle``, ``seed``, ``decode``, ``batch_size``, ``remainder``, ...).
+        transform: called on each (decoded) sample dict in the worker; its result is yielded.
+        topology: explicit rank/world size (skips detection).
+
+    Raises:
+        ManifestError: missing, corrupt or too new manifest (at construction).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        options: ReadOptions | None = None,
+        *,
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        topology: Topology | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if options is None:
+            options = ReadOptions(**kwargs)
+        elif kwargs:
+            raise UsageError("pass either options= or keyword options, not both")
+        self.options = options
+        self.transform = transform
+        self.reader = DatasetReader(path, verify=options.verify,
+                                    max_open_shards=options.max_open_shards)
+        self.epoch = 0
+        self._topology = topology
+        self._cursor = 0
+        self._delivered = 0
+        self._iterated_here = False
+
+    # --- identity and sizes ------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        return self.reader.root
+
+    @property
+    def num_samples(self) -> int:
+        """Samples in the whole dataset (all ranks)."""
+        return len(self.reader)
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            return _detect_topology()
+        return self._topology
+
+    def _plan(self) -> RankPlan:
+        topo = self.topology
+        return RankPlan(self.num_samples - self._cursor, topo.world_size, topo.rank,
+                        self.options.batch_size, self.options.remainder)
+
+    def __len__(self) -> int:
+        """Samples this rank yields in the current epoch (from the resume point, if any)."""
+        return self._plan().per_rank
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration follows (call before each epoch)."""
+        if epoch != self.epoch:
+            self._cursor = 0
+        self.epoch = int(epoch)
+
+    def _order(self) -> EpochOrder:
+        counts = np.diff(self.reader.offsets)
+        o = self.options
+        return EpochOrder(counts, seed=o.seed, epoch=self.epoch, shuffle=o.shuffle,
+                          shuffle_block=o.shuffle_block)
+
+    # --- iteration ---------------------------------------------------------------------------
+    def _prepare(self, sample: dict[str, Any]) -> Any:
+        o = self.options
+        if o.decode:
+            sample = decode_sample(sample, allow_pickle=o.allow_pickle, image_mode=o.image_mode)
+        return self.transform(sample) if self.transform is not None else sample
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        plan = self._plan()
+        order = self._order()
+        cursor, remaining = self._cursor, plan.remaining
+        if info is None:
+            self._iterated_here = True
+            self._delivered = 0
+        for t in plan.worker_steps(worker, workers):
+            a, b = plan.batch_range(t)
+            positions = cursor + np.arange(a, b, dtype=np.int64) % remaining
+            for sample in self.reader.read_ids(_ids_at(order, positions)):
+                out = self._prepare(sample)
+                if info is None:
+                    self._delivered += 1
+                yield out
+        if info is None:
+            # The epoch is over: a later iteration without set_epoch() replays it from the start.
+            self._cursor = 0
+
+    def __getitem__(self, i: int) -> Any:
+        """Sample ``i`` in manifest order (decoded and transformed like iteration): random
+        access for evaluation and debugging."""
+        return self._prepare(self.reader[int(i)])
+
+    # --- checkpointing -----------------------------------------------------------------------
+    def state_dict(self, batches: int | None = None) -> dict[str, Any]:
+        """Where delivery stands, to resume exactly with :meth:`load_state_dict`.
+
+        Args:
+            batches: batches of ``batch_size`` this rank has consumed in the current epoch
+                (since iteration began or since the state was loaded).  Needed when the dataset
+                is iterated in DataLoader worker processes, which the main process cannot
+                observe; counted automatically when iterated in this process.
+
+        Raises:
+            UsageError: ``batches`` is needed but missing.
+        """
+        if batches is None:
+            if not self._iterated_here:
+                raise UsageError(
+                    "this ShardDataset is iterated inside DataLoader workers, so it cannot see what "
+                    "was delivered: pass state_dict(batches=<batches this rank consumed this epoch>)"
+                )
+            batches = self._delivered // self.options.batch_size
+        consumed = self._plan().consumed(int(batches))
+        cursor = self._cursor + consumed
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "cursor": cursor,
+            "num_samples": self.num_samples,
+            "seed": self.options.seed,
+            "shuffle": self.options.shuffle,
+            "shuffle_block": self.options.shuffle_block,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; world size, workers and batch size may differ.
+
+        Raises:
+            UsageError: the state belongs to another dataset or order (seed, shuffle settings).
+        """
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise UsageError(f"not a ShardDataset state (version {state.get('version')!r})")
+        if state["num_samples"] != self.num_samples:
+            raise UsageError(
+                f"state is for a dataset of {state['num_samples']} samples, this one has "
+                f"{self.num_samples}: resume with the dataset the checkpoint was taken on"
+            )
+        o = self.options
+        mine = (o.seed, o.shuffle, o.shuffle_block)
+        theirs = (state["seed"], state["shuffle"], state["shuffle_block"])
+        if mine != theirs:
+            raise UsageError(
+                f"state was taken with seed/shuffle/shuffle_block {theirs}, this dataset uses "
+                f"{mine}; construct the dataset with the same values to resume"
+            )
+        self.epoch = int(state["epoch"])
+        self._cursor = int(state["cursor"])
+        self._delivered = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        # Resolve rank/world in the main process: a spawned worker has no process group.
+        state["_topology"] = self.topology
+        return state
+
+
+def _ids_at(order: EpochOrder, positions: np.ndarray) -> np.ndarray:
+    """Global sample ids at epoch positions (contiguous runs, except where padding wraps)."""
+    if len(positions) == 0:
+        return positions
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    runs = np.split(positions, breaks)
+    return np.concatenate([order.samples(int(r[0]), int(r[-1]) + 1) for r in runs])

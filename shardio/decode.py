@@ -1,0 +1,97 @@
+"""Built-in field decoders, chosen by the field's last extension (WebDataset naming).
+
+=================================  ======================================================
+extension                          decoded value
+=================================  ======================================================
+jpg jpeg png ppm pgm bmp webp gif  ``numpy.uint8`` array, HWC, RGB (Pillow)
+tif tiff
+cls cls2 index id                  ``int``
+json jsn                           parsed JSON
+txt text                           ``str``
+npy                                ``numpy.ndarray`` (``allow_pickle=False``)
+pickle pyd pkl                     unpickled object, only with ``allow_pickle=True``
+anything else                      ``bytes`` unchanged
+=================================  ======================================================
+
+Unpickling runs arbitrary code, so a pickle field without ``allow_pickle=True`` raises
+:class:`~shardio.errors.UsageError` rather than being decoded or silently passed through.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import numpy as np
+
+from .errors import DecodeError, MissingDependencyError, UsageError
+
+__all__ = ["IMAGE_EXTENSIONS", "decode_field", "decode_sample"]
+
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "bmp", "webp", "gif", "tif", "tiff"})
+_INT = frozenset({"cls", "cls2", "index", "id"})
+_PICKLE = frozenset({"pickle", "pyd", "pkl"})
+
+
+def _image(data: bytes, mode: str) -> np.ndarray:
+    try:
+        from PIL import Image
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise MissingDependencyError("decoding images needs Pillow: pip install pillow") from exc
+    with Image.open(io.BytesIO(data)) as img:
+        img.draft(mode, img.size)  # lets JPEG decode straight into the target mode
+        return np.asarray(img.convert(mode))
+
+
+def decode_field(name: str, data: bytes, *, allow_pickle: bool = False,
+                 image_mode: str = "RGB") -> Any:
+    """Decode one field by its extension (see the module table)."""
+    ext = name.rsplit(".", 1)[-1].lower()
+    if ext in IMAGE_EXTENSIONS:
+        return _image(data, image_mode)
+    if ext in _INT:
+        return int(data)
+    if ext in ("json", "jsn"):
+        return json.loads(data)
+    if ext in ("txt", "text"):
+        return bytes(data).decode("utf-8")
+    if ext == "npy":
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    if ext in _PICKLE:
+        if not allow_pickle:
+            raise UsageError(
+                f"field {name!r} is a pickle; unpickling runs arbitrary code, so shardio decodes it "
+                "only with allow_pickle=True (trust the data first)"
+            )
+        import pickle
+
+        return pickle.loads(data)
+    return data
+
+
+def decode_sample(sample: dict[str, Any], *, allow_pickle: bool = False,
+                  image_mode: str = "RGB") -> dict[str, Any]:
+    """Decode every field of a raw sample; keys starting with ``__`` are left as they are.
+
+    Raises:
+        DecodeError: a field does not decode (its checksum passed, so the stored payload
+            itself is malformed); the message names the sample and field.
+        UsageError: a pickle field without ``allow_pickle``.
+    """
+    out: dict[str, Any] = {}
+    for k, v in sample.items():
+        if k.startswith("__"):
+            out[k] = v
+            continue
+        try:
+            out[k] = decode_field(k, v, allow_pickle=allow_pickle, image_mode=image_mode)
+        except (UsageError, MissingDependencyError):
+            raise
+        except Exception as exc:
+            raise DecodeError(
+                f"sample {sample.get('__key__')!r} field {k!r} does not decode ({exc}); the "
+                "source file was malformed when packed: fix it and repack, or read raw bytes "
+                "with decode=False"
+            ) from exc
+    return out

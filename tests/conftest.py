@@ -1,0 +1,76 @@
+"""Shared fixtures: small real datasets on disk, a CLI runner, and fault injection helpers."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.make_dataset import make_images  # noqa: E402
+
+
+@pytest.fixture
+def image_tree(tmp_path: Path) -> Path:
+    """ImageFolder tree: 3 classes x 20 real JPEGs (5-12 KB)."""
+    src = tmp_path / "src"
+    make_images(str(src), files=60, classes=3, min_kb=5, max_kb=12, seed=1, pool=12)
+    return src
+
+
+@pytest.fixture
+def mixed_tree(tmp_path: Path) -> Path:
+    """Samples with several fields each (jpg/json/txt/npy, some missing), nested keys, 0-byte field."""
+    import json
+
+    import numpy as np
+
+    src = tmp_path / "mixed"
+    for i in range(40):
+        d = src / f"part{i % 3}" / "sub"
+        d.mkdir(parents=True, exist_ok=True)
+        stem = d / f"s{i:04d}"
+        (stem.with_suffix(".txt")).write_text(f"caption {i} " * (i % 7))
+        (stem.with_suffix(".json")).write_text(json.dumps({"i": i, "tags": ["a"] * (i % 4)}))
+        if i % 2 == 0:
+            buf = io.BytesIO()
+            np.save(buf, np.arange(i * 10, dtype=np.float32))
+            Path(str(stem) + ".npy").write_bytes(buf.getvalue())
+        if i % 5 == 0:
+            Path(str(stem) + ".empty.bin").write_bytes(b"")
+    return src
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str]]:
+    """Run ``shardio`` in-process: ``rc, out, err = cli("pack", src, out, ...)``."""
+    from shardio.cli import main
+
+    def run(*args: object) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = main([str(a) for a in args])
+        cap = capsys.readouterr()
+        return rc, cap.out, cap.err
+
+    return run
+
+
+def flip_bit(path: str | os.PathLike[str], offset: int, bit: int = 0) -> None:
+    """Flip one bit of a file in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ (1 << bit)]))
+
+
+def truncate(path: str | os.PathLike[str], size: int) -> None:
+    """Cut a file to ``size`` bytes."""
+    os.truncate(path, size)
