@@ -169,13 +169,14 @@ class Manifest:
             ) from exc
 
     @classmethod
-    def load(cls, directory: str, strict: bool = True) -> Manifest:
+    def load(cls, directory: str | os.PathLike[str], strict: bool = True) -> Manifest:
         """Read ``directory/manifest.json`` (``directory`` may also be the manifest path itself).
 
         Raises:
             ManifestNotFoundError: no manifest there.
             ManifestCorruptError, ManifestVersionError, UnsafePathError: see :meth:`from_dict`.
         """
+        directory = os.fspath(directory)
         path = directory if directory.endswith(".json") else os.path.join(directory, MANIFEST_NAME)
         try:
             with open(path, "rb") as f:
