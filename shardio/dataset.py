@@ -76,6 +76,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self._cursor = 0
         self._delivered = 0
         self._iterated_here = False
+        self._finished = False  # this process iterated the epoch to its end
 
     # --- identity and sizes ------------------------------------------------------------------
     @property
@@ -106,6 +107,8 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         """Select the epoch whose order the next iteration follows (call before each epoch)."""
         if epoch != self.epoch:
             self._cursor = 0
+            self._delivered = 0
+            self._finished = False
         self.epoch = int(epoch)
 
     def _order(self) -> EpochOrder:
@@ -130,6 +133,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         if info is None:
             self._iterated_here = True
             self._delivered = 0
+            self._finished = False
         for t in plan.worker_steps(worker, workers):
             a, b = plan.batch_range(t)
             positions = cursor + np.arange(a, b, dtype=np.int64) % remaining
@@ -141,6 +145,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         if info is None:
             # The epoch is over: a later iteration without set_epoch() replays it from the start.
             self._cursor = 0
+            self._finished = True
 
     def __getitem__(self, i: int) -> Any:
         """Sample ``i`` in manifest order (decoded and transformed like iteration): random
@@ -166,9 +171,16 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                     "this ShardDataset is iterated inside DataLoader workers, so it cannot see what "
                     "was delivered: pass state_dict(batches=<batches this rank consumed this epoch>)"
                 )
-            batches = self._delivered // self.options.batch_size
-        consumed = self._plan().consumed(int(batches))
-        cursor = self._cursor + consumed
+            if self._finished:  # the whole epoch was delivered: nothing of it is left
+                batches = None
+            elif self._delivered >= self._plan().per_rank:  # all, the last batch partial
+                batches = self._plan().num_batches
+            else:
+                batches = self._delivered // self.options.batch_size
+        if batches is None:
+            cursor = self.num_samples
+        else:
+            cursor = self._cursor + self._plan().consumed(int(batches))
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -203,6 +215,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self.epoch = int(state["epoch"])
         self._cursor = int(state["cursor"])
         self._delivered = 0
+        self._finished = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

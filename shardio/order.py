@@ -40,6 +40,13 @@ __all__ = ["REMAINDER", "EpochOrder", "RankPlan"]
 REMAINDER = ("pad", "drop")
 
 
+def _words(seed: int) -> tuple[int, int, int]:
+    """A seed of any size and sign as non-negative 32-bit words for ``SeedSequence``."""
+    s = int(seed)
+    sign, s = (1, -s) if s < 0 else (0, s)
+    return sign, s & 0xFFFFFFFF, s >> 32
+
+
 @dataclass
 class EpochOrder:
     """The global sample order of one epoch (global sample ids in manifest order).
@@ -66,12 +73,13 @@ class EpochOrder:
         self.counts = counts
         self.offsets = np.concatenate([[0], np.cumsum(counts)])
         if self.shuffle:
-            rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.epoch, 0x5EED])
+            rng = np.random.default_rng([*_words(self.seed), self.epoch, 0x5EED])
             perm = rng.permutation(len(counts))
         else:
             perm = np.arange(len(counts))
         starts = np.concatenate([[0], np.cumsum(counts[perm])[:-1]]) if len(counts) else counts
-        block_of = starts // self.shuffle_block if self.shuffle else np.zeros(len(perm), np.int64)
+        # Blocks also without shuffle (same manifest order), so memory stays bounded by one block.
+        block_of = starts // self.shuffle_block
         cuts = np.flatnonzero(np.diff(block_of)) + 1
         self.block_shards = np.split(perm, cuts) if len(perm) else []
         sizes = np.array([counts[b].sum() for b in self.block_shards], dtype=np.int64)
@@ -89,7 +97,7 @@ class EpochOrder:
             [np.arange(self.offsets[s], self.offsets[s + 1], dtype=np.int64) for s in shards]
         ) if len(shards) else np.zeros(0, np.int64)
         if self.shuffle:
-            rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.epoch, b, 0xB10C])
+            rng = np.random.default_rng([*_words(self.seed), self.epoch, b, 0xB10C])
             ids = ids[rng.permutation(len(ids))]
         self._cache = (b, ids)
         return ids
