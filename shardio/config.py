@@ -9,9 +9,21 @@ from .checksum import DEFAULT_SAMPLE, sample_checksum_fn
 from .codec import parse_compress
 from .errors import UsageError
 
-__all__ = ["ON_ERROR", "PackOptions", "ReadOptions"]
+__all__ = ["FORMATS", "ON_ERROR", "PackOptions", "ReadOptions", "check_format"]
 
 ON_ERROR = ("raise", "skip")
+FORMATS = ("tar", "hdf5")
+
+
+def check_format(name: str) -> str:
+    """Return ``name`` if it is a known shard format (``shardio.formats`` implements each).
+
+    Raises:
+        UsageError: unknown format.
+    """
+    if name not in FORMATS:
+        raise UsageError(f"unknown shard format {name!r}; choose one of: {', '.join(FORMATS)}")
+    return name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,8 +63,6 @@ class PackOptions:
     prefix: str = "shard"
 
     def __post_init__(self) -> None:
-        from .formats import check_format
-
         check_format(self.format)
         if self.shard_size is not None:
             object.__setattr__(self, "shard_size", parse_size(self.shard_size))

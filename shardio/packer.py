@@ -27,11 +27,12 @@ import xxhash
 
 from . import __version__
 from ._fsutil import TMP_MARK, atomic_write_bytes, remove_temp_files, translate_oserror
-from ._scan import LABEL_FIELD, Sample, scan_source
+from ._scan import LABEL_FIELD, Sample, ScanResult, scan_source
 from .checksum import DEFAULT_DIGEST, digest_bytes, file_digest
 from .codec import Codec, train_dictionary
 from .config import PackOptions
 from .errors import (
+    EmptySourceError,
     OutputInsideSourceError,
     OutputNotEmptyError,
     SampleTooLargeError,
@@ -40,6 +41,7 @@ from .errors import (
     UsageError,
 )
 from .formats import WrittenShard, load_index, open_writer, shard_suffix, verify_fields
+from .formats.tar import ustar_header
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 
 __all__ = ["pack"]
@@ -47,6 +49,7 @@ __all__ = ["pack"]
 STATE_NAME = ".shardio-pack.json"
 DICT_NAME = "zstd.dict"
 _TAR_OVERHEAD = 512
+_TAR_END = 1024
 
 
 @dataclass
@@ -57,11 +60,22 @@ class _Task:
     fingerprint: str
 
 
-def _estimate(sample: Sample, fmt: str) -> int:
-    sizes = [f[2] for f in sample.files] + ([4] if sample.label is not None else [])
-    if fmt == "tar":
-        return sum(_TAR_OVERHEAD + s + (-s % 512) for s in sizes)
-    return sum(sizes)
+def _estimate(sample: Sample, options: PackOptions) -> int:
+    sizes = [(f[0], f[2]) for f in sample.files]
+    if sample.label is not None:
+        sizes.append((LABEL_FIELD, 4))
+    if options.format == "tar":
+        zst = ".zst" if options.codec_name else ""
+        return sum(_tar_header_size(f"{sample.key}.{name}{zst}", s) + s + (-s % 512)
+                   for name, s in sizes)
+    return sum(s for _name, s in sizes)
+
+
+def _tar_header_size(member: str, size: int) -> int:
+    # Long or non-ASCII member names take a pax extended header before the ustar one.
+    if len(member) <= 100 and member.isascii() and size < 8**11:
+        return _TAR_OVERHEAD
+    return len(ustar_header(member, size))
 
 
 def plan_shards(samples: list[Sample], options: PackOptions) -> list[tuple[int, int]]:
@@ -71,22 +85,42 @@ def plan_shards(samples: list[Sample], options: PackOptions) -> list[tuple[int, 
         SampleTooLargeError: one sample alone exceeds ``shard_size``.
     """
     limit, per = options.shard_bytes, options.samples_per_shard
+    # Every tar ends with two zero blocks, which count against the limit too.
+    base = _TAR_END if options.format == "tar" else 0
     ranges: list[tuple[int, int]] = []
-    start, acc = 0, 0
+    start, acc = 0, base
     for i, s in enumerate(samples):
-        size = _estimate(s, options.format)
-        if limit is not None and size > limit:
+        size = _estimate(s, options)
+        if limit is not None and base + size > limit:
             raise SampleTooLargeError(
-                f"sample {s.key!r} needs {size} bytes, more than --shard-size {limit}; raise "
-                f"--shard-size to at least {size} bytes"
+                f"sample {s.key!r} needs {base + size} bytes, more than --shard-size {limit}; "
+                f"raise --shard-size to at least {base + size} bytes, or pass --on-error skip "
+                "to leave it out"
             )
         full = (limit is not None and acc + size > limit) or (per is not None and i - start >= per)
         if i > start and full:
             ranges.append((start, i))
-            start, acc = i, 0
+            start, acc = i, base
         acc += size
     ranges.append((start, len(samples)))
     return ranges
+
+
+def _drop_too_large(scan: ScanResult, options: PackOptions) -> None:
+    """With ``on_error="skip"``, leave out (and count) samples that fit in no shard."""
+    limit = options.shard_bytes
+    if options.on_error != "skip" or limit is None:
+        return
+    base = _TAR_END if options.format == "tar" else 0
+    fits = [s for s in scan.samples if base + _estimate(s, options) <= limit]
+    if len(fits) == len(scan.samples):
+        return
+    scan.skipped["too_large"] += len(scan.samples) - len(fits)
+    scan.samples = fits
+    if not fits:
+        raise EmptySourceError(
+            f"every sample is larger than --shard-size {limit}; raise --shard-size"
+        )
 
 
 def _read_file(path: str, size: int = 0) -> bytes:
@@ -184,7 +218,7 @@ def _prepare_out(out: str, job: str, options: PackOptions) -> Manifest | None:
             f"--resume: {out} holds no unfinished run of this job (the input or the options "
             "changed); rerun without --resume and with --overwrite to start over"
         )
-    if names:
+    if names and not options.overwrite:
         raise OutputNotEmptyError(
             f"OUT {out} is not empty and holds no unfinished run of this job; pass --overwrite to "
             "replace the shardio files in it, or choose an empty directory"
@@ -289,7 +323,8 @@ def pack(
 
     Raises:
         UsageError: bad options, OUT inside SRC, OUT not empty (OutputNotEmptyError).
-        SourceError: bad input files (unless ``on_error="skip"``), empty source, oversize sample.
+        SourceError: bad input files or an oversize sample (unless ``on_error="skip"``), empty
+            source.
         StorageFullError: the output filesystem filled up; nothing was published.
     """
     if options is None:
@@ -301,6 +336,7 @@ def pack(
     _check_paths(src, out, flist)
     scan = scan_source(src, out, files_from=flist, label_from_dir=options.label_from_dir,
                        on_error=options.on_error)
+    _drop_too_large(scan, options)
     ranges = plan_shards(scan.samples, options)
     key = options.output_key()
     job = _fingerprint({"options": key, "labels": scan.labels, "files": [

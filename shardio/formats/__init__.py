@@ -7,7 +7,7 @@ Each format provides a writer and an index loader; reading is shared (:class:`Sh
 from __future__ import annotations
 
 from ..codec import Codec
-from ..errors import UsageError
+from ..config import FORMATS, check_format
 from .base import (
     IndexBuilder,
     Problem,
@@ -33,19 +33,7 @@ __all__ = [
     "verify_fields",
 ]
 
-FORMATS = ("tar", "hdf5")
 _SUFFIX = {"tar": ".tar", "hdf5": ".h5"}
-
-
-def check_format(name: str) -> str:
-    """Return ``name`` if it is a known shard format.
-
-    Raises:
-        UsageError: unknown format.
-    """
-    if name not in _SUFFIX:
-        raise UsageError(f"unknown shard format {name!r}; choose one of: {', '.join(FORMATS)}")
-    return name
 
 
 def shard_suffix(fmt: str) -> str:

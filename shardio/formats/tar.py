@@ -91,10 +91,15 @@ class TarWriter(ShardWriter):
         self._pos = 0
         self._fields: dict[str, int] = {}
         self._raw = 0
+        # Opened on the first flush, so the temp file only ever exists while a caller is inside
+        # add()/close() and can abort(): a Ctrl-C landing just after the open cannot orphan it.
+        self._fd = -1
+
+    def _open(self) -> None:
         try:
             self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise translate_oserror(exc, final, "creating shard") from exc
+            raise translate_oserror(exc, self.final, "creating shard") from exc
 
     def _emit(self, part: bytes) -> None:
         self._iov.append(part)
@@ -103,6 +108,8 @@ class TarWriter(ShardWriter):
         self._pos += len(part)
 
     def _flush(self) -> None:
+        if self._fd < 0:
+            self._open()
         iov = self._iov
         self._iov, self._pending = [], 0
         try:
@@ -167,10 +174,12 @@ class TarWriter(ShardWriter):
             # Shard first, index second: a present index means a complete shard.
             os.replace(self._tmp, self.final)
             os.replace(tmp_idx, self.index_final)
-        except OSError as exc:
+        except BaseException as exc:  # KeyboardInterrupt too: never leave a temp file behind
             for p in (tmp_idx, self._tmp):
                 _unlink(p)
-            raise translate_oserror(exc, self.final, "publishing shard") from exc
+            if isinstance(exc, OSError):
+                raise translate_oserror(exc, self.final, "publishing shard") from exc
+            raise
         return WrittenShard(
             path=self.final, index_path=self.index_final, samples=len(index), bytes=self._pos,
             digest=self._digest.hexdigest(), index_digest=digest_bytes(blob),
