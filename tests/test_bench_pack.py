@@ -1,0 +1,59 @@
+"""Smoke test of ``benchmarks/bench_pack.py --quick``: the JSON it prints, never the speeds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "bench_pack.py"
+
+CONTENDERS = {
+    "tar", "shardio_tar_w1_fsync", "shardio_tar_w1_nofsync", "shardio_tar_w2_fsync",
+    "shardio_tar_w2_nofsync", "shardio_hdf5_w1_nofsync", "shardio_hdf5_w2_nofsync",
+    "webdataset_shardwriter",
+}
+NUMBERS = ("seconds", "files_per_s", "mb_per_s", "median_seconds", "median_files_per_s",
+           "median_mb_per_s", "cpu_seconds")
+RATIOS = ("shardio_w1_vs_tar", "shardio_w1_vs_webdataset", "w2_vs_w1", "shardio_w1_fsync_vs_tar",
+          "hdf5_w1_vs_tar", "hdf5_w2_vs_w1")
+TARGETS = ("shardio_w1_ge_tar", "shardio_ge_2x_webdataset", "w2_ge_1_6x_w1")
+
+
+@pytest.mark.slow
+def test_quick_run_prints_contender_lines_then_summary(tmp_path: Path) -> None:
+    json_out = tmp_path / "bench.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--workdir", str(tmp_path / "work"),
+         "--json-out", str(json_out)],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines()]
+    assert json_out.read_text().splitlines() == proc.stdout.splitlines()
+    *contenders, summary = lines
+
+    assert [c["kind"] for c in contenders] == ["contender"] * len(CONTENDERS)
+    assert {c["contender"] for c in contenders} == CONTENDERS
+    for c in contenders:
+        assert c["bench"] == "pack"
+        assert c["files"] == 600 and c["payload_bytes"] > 0
+        assert c["runs"] == 1 and len(c["all_seconds"]) == 1
+        for key in NUMBERS:
+            assert isinstance(c[key], (int, float)) and c[key] >= 0, (c["contender"], key)
+        assert c["peak_rss_mb"] is None or c["peak_rss_mb"] > 0
+        assert c["output_bytes"] >= c["payload_bytes"]
+        assert isinstance(c["fsync"], bool) and c["workers"] in (1, 2)
+
+    assert summary["kind"] == "summary" and summary["files"] == 600
+    assert set(summary["files_per_s"]) == CONTENDERS
+    for key in RATIOS:
+        assert isinstance(summary["ratios"][key], float) and summary["ratios"][key] > 0, key
+    assert set(summary["targets"]) == set(TARGETS)
+    assert all(isinstance(v, bool) for v in summary["targets"].values())
+    assert "contender" in proc.stderr and "targets:" in proc.stderr  # the human-readable table
+    assert not any((tmp_path / "work").iterdir())  # the work directory is removed without --keep
