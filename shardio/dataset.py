@@ -8,8 +8,10 @@ resumed job (any world size, worker count or batch size) delivers exactly the re
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Callable, Iterator
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import numpy as np
@@ -71,12 +73,29 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self.transform = transform
         self.reader = DatasetReader(path, verify=options.verify,
                                     max_open_shards=options.max_open_shards)
-        self.epoch = 0
+        # Epoch and resume cursor live in a tiny shared array so that DataLoader workers kept
+        # alive across epochs (persistent_workers=True) see set_epoch()/load_state_dict().
+        self._shared = multiprocessing.RawArray("q", 2)
         self._topology = topology
-        self._cursor = 0
         self._delivered = 0
         self._iterated_here = False
         self._finished = False  # this process iterated the epoch to its end
+
+    @property
+    def epoch(self) -> int:
+        return int(self._shared[0])
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._shared[0] = int(value)
+
+    @property
+    def _cursor(self) -> int:
+        return int(self._shared[1])
+
+    @_cursor.setter
+    def _cursor(self, value: int) -> None:
+        self._shared[1] = int(value)
 
     # --- identity and sizes ------------------------------------------------------------------
     @property
@@ -221,7 +240,17 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         state = dict(self.__dict__)
         # Resolve rank/world in the main process: a spawned worker has no process group.
         state["_topology"] = self.topology
+        if get_spawning_popen() is None:
+            # Plain pickling (not handing the dataset to a new worker process): a shared array
+            # cannot travel, so its values do.
+            state["_shared"] = (self.epoch, self._cursor)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        shared = state["_shared"]
+        if isinstance(shared, tuple):
+            state["_shared"] = multiprocessing.RawArray("q", shared)
+        self.__dict__.update(state)
 
 
 def _ids_at(order: EpochOrder, positions: np.ndarray) -> np.ndarray:

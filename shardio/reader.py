@@ -132,16 +132,30 @@ class DatasetReader:
 
     def read_ids(self, ids: np.ndarray) -> Iterator[dict[str, Any]]:
         """Samples with global ids ``ids``, in that order; runs of consecutive ids in one shard
-        are read with one large ``pread`` instead of one per sample."""
+        are read with one large ``pread``, single ids with one small one."""
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) == 0:
             return
         shards = np.searchsorted(self.offsets, ids, side="right") - 1
-        breaks = np.flatnonzero((np.diff(ids) != 1) | (np.diff(shards) != 0)) + 1
-        for run in np.split(np.arange(len(ids)), breaks):
-            s = int(shards[run[0]])
-            base = int(self.offsets[s])
-            yield from self.shard(s).iter_range(int(ids[run[0]]) - base, int(ids[run[-1]]) - base + 1)
+        local = (ids - self.offsets[shards]).tolist()
+        shard_list = shards.tolist()
+        if len(ids) > 1:
+            step = np.diff(ids)
+            cut = ((step != 1) | (np.diff(shards) != 0)).tolist()
+        else:
+            cut = []
+        n = len(local)
+        k = 0
+        while k < n:
+            j = k
+            while j < n - 1 and not cut[j]:
+                j += 1
+            reader = self.shard(shard_list[k])
+            if j == k:
+                yield reader.get(local[k])
+            else:
+                yield from reader.iter_range(local[k], local[j] + 1)
+            k = j + 1
 
     def iter_shard(self, i: int) -> Iterator[dict[str, Any]]:
         return iter(self.shard(i))

@@ -711,3 +711,29 @@ def test_bad_read_options(tiny: Path) -> None:
         shardio.ShardDataset(tiny, batch_size=0)
     with pytest.raises(UsageError, match="either"):
         shardio.ShardDataset(tiny, shardio.ReadOptions(), seed=1)
+
+
+def test_persistent_workers_follow_set_epoch_and_resume(tiny: Path) -> None:
+    """Workers kept alive across epochs must see set_epoch() and load_state_dict()."""
+    ds = shardio.ShardDataset(tiny, batch_size=8, seed=3)
+    dl = DataLoader(ds, batch_size=8, num_workers=2, persistent_workers=True,
+                    collate_fn=collate_keys)
+    e0 = flat(list(dl))
+    ds.set_epoch(1)
+    e1 = flat(list(dl))
+    assert e0 == epoch_keys(tiny, seed=3, epoch=0)
+    assert e1 == epoch_keys(tiny, seed=3, epoch=1)
+    state = ds.state_dict(batches=5) | {"epoch": 1}
+    ds.load_state_dict(state)
+    rest = flat(list(dl))
+    assert rest == epoch_keys(tiny, seed=3, epoch=1)[5 * 8:]
+
+
+def test_pickled_copy_keeps_epoch_and_cursor(tiny: Path) -> None:
+    ds = shardio.ShardDataset(tiny, batch_size=4, seed=1)
+    ds.set_epoch(2)
+    ds.load_state_dict(ds.state_dict(batches=3) | {"epoch": 2})
+    copy = pickle.loads(pickle.dumps(ds))
+    assert (copy.epoch, copy.state_dict(batches=0)["cursor"]) == (2, 12)
+    copy.set_epoch(5)
+    assert ds.epoch == 2  # a pickled copy is independent

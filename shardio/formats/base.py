@@ -43,6 +43,11 @@ from ..errors import (
 
 __all__ = ["IndexBuilder", "ShardIndex", "ShardReader", "ShardWriter", "WrittenShard"]
 
+# This process's id, refreshed in forked children, so readers notice a fork (and reopen their
+# descriptors) without a getpid() system call per read.
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
 INDEX_MAGIC = b"SHARDIDX"
 INDEX_END = b"SHIDXEND"
 INDEX_VERSION = 1
@@ -285,12 +290,13 @@ class ShardReader:
         self._check = sample_checksum_fn(index.checksum)
         self._hfd: int | None = None
         self._hpid = -1
+        self._mv: tuple[memoryview, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.index)
 
     def _fd(self) -> int:
-        if self._hfd is None or self._hpid != os.getpid():
+        if self._hfd is None or self._hpid != _PID[0]:
             try:
                 fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError as exc:
@@ -306,7 +312,7 @@ class ShardReader:
                     f"shard {self.path} has {size} bytes, the manifest records "
                     f"{self.expected_size}; it was truncated: restore it from a good copy"
                 )
-            self._hfd, self._hpid = fd, os.getpid()
+            self._hfd, self._hpid = fd, _PID[0]
         return self._hfd
 
     def read_span(self, start: int, end: int) -> bytes:
@@ -332,7 +338,7 @@ class ShardReader:
 
     def close(self) -> None:
         """Release the descriptor (it reopens on next use)."""
-        if self._hfd is not None and self._hpid == os.getpid():
+        if self._hfd is not None and self._hpid == _PID[0]:
             os.close(self._hfd)
         self._hfd = None
 
@@ -342,23 +348,43 @@ class ShardReader:
         except Exception:
             pass
 
+    def _views(self) -> tuple[memoryview, ...]:
+        """Scalar access to the index arrays through memoryviews (~4x cheaper than numpy
+        scalars); the arrays stay numpy, only the views are cached."""
+        if self._mv is None:
+            idx = self.index
+            lo, hi = idx.spans()
+            self._mv = tuple(memoryview(np.ascontiguousarray(a)) for a in (
+                idx.key_offsets, idx.sample_start, idx.f_name, idx.f_flags, idx.f_offset,
+                idx.f_length, idx.f_raw_length, idx.f_checksum, lo, hi))
+        return self._mv
+
     def _decode(self, i: int, base: int, buf: bytes | memoryview) -> dict[str, Any]:
         idx = self.index
-        sample: dict[str, Any] = {"__key__": idx.key(i)}
+        kof, sst, fname, fflags, foff, flen, fraw, fsum, _lo, _hi = self._views()
+        key = idx.key_blob[kof[i] : kof[i + 1]].decode("utf-8")
+        sample: dict[str, Any] = {"__key__": key}
         mv = memoryview(buf)
-        for r in idx.rows(i):
-            off = int(idx.f_offset[r]) - base
-            stored = mv[off : off + int(idx.f_length[r])]
-            name = idx.field_names[int(idx.f_name[r])]
+        names = idx.field_names
+        for r in range(sst[i], sst[i + 1]):
+            off = foff[r] - base
+            stored = mv[off : off + flen[r]]
+            name = names[fname[r]]
             if self.verify:
                 found = self._check(stored)
-                if found != int(idx.f_checksum[r]):
+                if found != fsum[r]:
                     raise ChecksumMismatchError(
-                        self.path, sample["__key__"], name, int(idx.f_offset[r]),
-                        hex64(idx.f_checksum[r]), hex64(found),
+                        self.path, key, name, foff[r], hex64(fsum[r]), hex64(found),
                     )
-            sample[name] = self.codec.decode(stored, int(idx.f_flags[r]), int(idx.f_raw_length[r]))
+            flags = fflags[r]
+            sample[name] = bytes(stored) if not flags else self.codec.decode(stored, flags, fraw[r])
         return sample
+
+    def get(self, i: int) -> dict[str, Any]:
+        """Sample ``i`` with one ``pread`` and no bounds check (hot path of shuffled reads)."""
+        v = self._views()
+        start = v[8][i]
+        return self._decode(i, start, self.read_span(start, v[9][i]))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         """Sample ``i`` as ``{"__key__": key, field: bytes, ...}``.
@@ -394,7 +420,7 @@ class ShardReader:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_check", None)
-        state["_hfd"], state["_hpid"] = None, -1
+        state["_hfd"], state["_hpid"], state["_mv"] = None, -1, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

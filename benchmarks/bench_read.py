@@ -1,0 +1,702 @@
+"""Read throughput: ``ShardDataset`` vs torch over small files and webdataset, same run, warm cache.
+
+``python benchmarks/bench_read.py`` generates an ImageFolder tree (default 20,000 JPEGs of 5-40 KB
+in 100 class folders, :func:`tools.make_dataset.make_images`), packs it with
+``shardio.pack(src, out, label_from_dir=True, shard_size="64MB", workers=2, fsync=False)``
+(shardio's tar shards are plain WebDataset tars, so webdataset reads the very same files), reads
+every source file and shard once so everything sits in the page cache, then times one epoch per
+run of:
+
+* ``shardio``: ``DataLoader(ShardDataset(out, batch_size=256, transform=...), batch_size=256,
+  num_workers=2)`` (shuffled; per-sample checksums verified, the default);
+* ``smallfiles``: ``DataLoader(ImageFolderBytes(src), batch_size=256, shuffle=True,
+  num_workers=2)``, a map-style dataset that lists the tree like torchvision's ImageFolder and
+  opens and reads one file per ``__getitem__``;
+* ``wds_batched``: ``wds.WebLoader(wds.WebDataset(tars, shardshuffle=len(tars)).shuffle(1000)
+  .to_tuple("jpg", "cls").map(...).batched(256), batch_size=None, num_workers=2)``: batching inside
+  the workers, the setup webdataset's documentation recommends;
+* ``wds_dataloader``: the same pipeline without ``.batched`` under ``DataLoader(batch_size=256,
+  num_workers=2)``, the other common setup.  The summary compares shardio with the faster of the
+  two webdataset setups in each mode and names it.
+
+each in two modes, with the same per-sample function for every contender:
+
+* ``raw``: the JPEG bytes and the integer label; a batch is ``(list of bytes, int64 label tensor)``;
+* ``decode``: Pillow decode to RGB, resize the shorter side to 64 (bilinear), center crop 64x64,
+  ``uint8`` CHW tensor; a batch is ``(uint8 [B,3,64,64], labels)``.
+
+Every run is a fresh child process (``--child``), so a run's memory is its own and one contender's
+heap does not inflate the next; importing torch/webdataset is outside the timed region.  A run
+times one epoch from ``iter(loader)`` to the end of the loop, so starting the workers
+(``persistent_workers=False``, fork) and shutting them down count, as they do every epoch in
+training.  Runs go in rounds (every contender once per round, the order rotated each round); the
+best and the median of ``--repeat`` runs are reported.
+
+Memory: a background thread in the child samples the PSS (``psutil memory_full_info().pss``) and RSS
+of the child and all its descendants (the DataLoader workers) every ``--sample-interval`` seconds;
+``peak_pss_mb`` is the largest tree sum seen (PSS splits pages shared between the forked workers and
+the main process, so the sum does not double count them; the RSS sum does).  ``baseline_pss_mb`` is
+the tree before the loader starts (interpreter, torch, the dataset object).
+
+CPU: each run also records the loader's CPU time, main process plus its workers (``getrusage``
+of self and reaped children; the memory sampler's own CPU taken out), per delivered sample, and
+the 1-minute load average.  Wall time suffers when other jobs share the machine, CPU per sample
+much less, so ``cpu_ratios`` cross-check the throughput ratios.
+
+Growth check: ``--growth-epochs`` (default 10) epochs of raw mode in one child for shardio and for
+the small-files loader, with ``persistent_workers`` False and True; the tree's RSS and PSS are read
+after each epoch's loop ends and epoch 1 is compared with the last epoch (``*_growth_pct``; a
+least-squares ``*_trend_pct`` too).  With persistent workers the tree is the main process and both
+workers, which live across epochs, so a per-worker leak accumulates; without, the workers have
+exited and only the main process, where a leak across epochs would have to live, remains.  The
+persistent runs' epochs after the first also show what worker start-up costs (the
+``..._persistent_workers`` ratio); the timed contenders use ``persistent_workers=False``.
+
+stdout gets one JSON line per contender and mode, one per growth check, then one ``summary`` line
+with the ratios and target booleans; stderr gets a table.  MB = 1e6 bytes of JPEG payload (the
+``cls`` label bytes are not counted).  ``--quick`` (a few hundred files, 2 MB shards so that both
+workers get shards, one run, two growth epochs) is a smoke configuration whose speeds mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BATCH = 256
+WORKERS = 2
+CROP = 64
+WDS_SHUFFLE = 1000
+QUICK = {"files": 400, "classes": 10, "repeat": 1, "growth_epochs": 2, "shard_size": "2MB"}
+DEFAULTS = {"files": 20000, "classes": 100, "repeat": 3, "growth_epochs": 10, "shard_size": "64MB"}
+KINDS = ("shardio", "smallfiles", "wds_batched", "wds_dataloader")
+MODES = ("raw", "decode")
+GROWTH = (("shardio", False), ("shardio", True), ("smallfiles", False), ("smallfiles", True))
+TARGETS = {"raw_vs_smallfiles": 2.0, "raw_vs_webdataset": 4.0, "decode_vs_webdataset": 1.1,
+           "rss_growth_pct": 5.0}
+
+
+# --- the per-sample work, identical for every contender (runs in the DataLoader workers) -------
+
+
+def raw_item(data: bytes, label: int) -> tuple[bytes, int, int]:
+    """Raw mode: the bytes as stored, the label, and the payload size for the MB/s figure."""
+    return data, label, len(data)
+
+
+def decode_item(data: bytes, label: int) -> tuple[Any, int, int]:
+    """Decode mode: RGB decode, shorter side to 64 (bilinear), center crop 64, uint8 CHW tensor."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = img.convert("RGB")
+    w, h = rgb.size
+    scale = CROP / min(w, h)
+    nw, nh = max(CROP, round(w * scale)), max(CROP, round(h * scale))
+    rgb = rgb.resize((nw, nh), Image.Resampling.BILINEAR)
+    left, top = (nw - CROP) // 2, (nh - CROP) // 2
+    arr = np.array(rgb.crop((left, top, left + CROP, top + CROP)))
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous(), label, len(data)
+
+
+ITEM = {"raw": raw_item, "decode": decode_item}
+
+
+def collate_raw(items: Sequence[tuple[bytes, int, int]]) -> tuple[list[bytes], Any, int]:
+    import torch
+
+    return ([it[0] for it in items], torch.tensor([it[1] for it in items], dtype=torch.int64),
+            sum(it[2] for it in items))
+
+
+def collate_decode(items: Sequence[tuple[Any, int, int]]) -> tuple[Any, Any, int]:
+    import torch
+
+    return (torch.stack([it[0] for it in items]),
+            torch.tensor([it[1] for it in items], dtype=torch.int64), sum(it[2] for it in items))
+
+
+COLLATE = {"raw": collate_raw, "decode": collate_decode}
+
+
+class ShardioItem:
+    """``ShardDataset`` transform: ``{"jpg", "cls", ...}`` → the mode's per-sample function."""
+
+    def __init__(self, fn: Callable[[bytes, int], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, sample: dict[str, Any]) -> Any:
+        return self.fn(sample["jpg"], int(sample["cls"]))
+
+
+class WdsItem:
+    """webdataset ``.map`` after ``.to_tuple("jpg", "cls")``."""
+
+    def __init__(self, fn: Callable[[bytes, int], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, sample: tuple[bytes, bytes]) -> Any:
+        return self.fn(sample[0], int(sample[1]))
+
+
+class ImageFolderBytes:
+    """Map-style dataset over an ImageFolder tree: one ``open``/``read`` per sample.
+
+    Lists the tree the way torchvision's ``ImageFolder`` does (sorted class folders, sorted files,
+    label = class position), without torchvision.
+    """
+
+    def __init__(self, root: str, fn: Callable[[bytes, int], Any]) -> None:
+        self.fn = fn
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+        self.samples: list[tuple[str, int]] = []
+        for label, name in enumerate(classes):
+            d = os.path.join(root, name)
+            self.samples += [(os.path.join(d, f), label) for f in sorted(os.listdir(d))]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Any:
+        path, label = self.samples[i]
+        with open(path, "rb") as f:
+            return self.fn(f.read(), label)
+
+
+# --- child: one measured run ------------------------------------------------------------------
+
+
+def _tree_memory() -> tuple[int, int, int]:
+    """``(rss, pss, processes)`` summed over this process and all its descendants."""
+    import psutil
+
+    me = psutil.Process()
+    rss = pss = n = 0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            m = p.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue  # a worker exiting between listing and reading
+        rss, pss, n = rss + m.rss, pss + m.pss, n + 1
+    return rss, pss, n
+
+
+class TreeSampler:
+    """Background thread recording the peak PSS and RSS of the process tree.
+
+    Reading ``smaps_rollup`` costs the kernel a few ms per process (it walks the page tables), so
+    the interval is a trade between catching short peaks and stealing CPU from the run.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.peak_pss = self.peak_rss = self.samples = 0
+        self.cpu_seconds = 0.0  # this thread's own CPU (kernel time of smaps_rollup included)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tree-sampler", daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            self.take()
+            if self._stop.wait(self.interval):
+                return
+
+    def take(self) -> tuple[int, int, int]:
+        c0 = time.thread_time()
+        rss, pss, n = _tree_memory()
+        self.cpu_seconds += time.thread_time() - c0
+        self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+        self.samples += 1
+        return rss, pss, n
+
+    def __enter__(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _loader(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None]]:
+    """The DataLoader a spec names, and a per-epoch hook (``set_epoch`` for shardio)."""
+    from torch.utils.data import DataLoader
+
+    kind, mode, persistent = spec["kind"], spec["mode"], spec["persistent"]
+    fn, collate = ITEM[mode], COLLATE[mode]
+    common = {"num_workers": WORKERS, "persistent_workers": persistent}
+    if kind == "shardio":
+        from shardio import ShardDataset
+
+        ds = ShardDataset(spec["shards"], batch_size=BATCH, shuffle=True, transform=ShardioItem(fn))
+        return DataLoader(ds, batch_size=BATCH, collate_fn=collate, **common), ds.set_epoch
+    if kind == "smallfiles":
+        ds = ImageFolderBytes(spec["src"], fn)
+        return DataLoader(ds, batch_size=BATCH, shuffle=True, collate_fn=collate, **common), \
+            lambda epoch: None
+    import webdataset as wds
+
+    urls = spec["tars"]
+    pipe = (wds.WebDataset(urls, shardshuffle=len(urls)).shuffle(WDS_SHUFFLE)
+            .to_tuple("jpg", "cls").map(WdsItem(fn)))
+    if kind == "wds_batched":
+        return wds.WebLoader(pipe.batched(BATCH, collation_fn=collate), batch_size=None,
+                             **common), lambda epoch: None
+    if kind == "wds_dataloader":
+        return DataLoader(pipe, batch_size=BATCH, collate_fn=collate, **common), lambda epoch: None
+    raise ValueError(f"unknown contender {kind!r}")
+
+
+def _cpu() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its reaped children (the workers)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def child(spec: dict[str, Any]) -> int:
+    """Run ``spec["epochs"]`` epochs of one contender; print one JSON result line."""
+    import torch  # noqa: F401  (import cost outside every timed region)
+
+    expect = int(spec["files"])
+    with TreeSampler(float(spec["sample_interval"])) as sampler:
+        t0 = time.perf_counter()
+        loader, set_epoch = _loader(spec)
+        setup = time.perf_counter() - t0
+        _rss, base_pss, _n = sampler.take()
+        epochs: list[dict[str, Any]] = []
+        for epoch in range(int(spec["epochs"])):
+            set_epoch(epoch)
+            samples = payload = 0
+            first = None
+            end_mem: tuple[int, int, int] | None = None
+            load = os.getloadavg()[0]
+            (main0, kids0), samp0 = _cpu(), sampler.cpu_seconds
+            t0 = time.perf_counter()
+            for _x, labels, nbytes in loader:
+                if first is None:
+                    first = time.perf_counter() - t0
+                samples += len(labels)
+                payload += nbytes
+            dt = time.perf_counter() - t0
+            (main1, kids1), samp1 = _cpu(), sampler.cpu_seconds
+            if spec["end_memory"]:
+                # After the loop: non-persistent workers have exited (what remains is the main
+                # process, where a leak across epochs would live); persistent ones are all alive.
+                # At the last batch the tree would hold a finished worker or not, depending on
+                # which worker's last batch came last.
+                end_mem = sampler.take()
+            if samples != expect:
+                raise RuntimeError(f"{spec['kind']}/{spec['mode']} delivered {samples} samples in "
+                                   f"epoch {epoch}, expected {expect}")
+            ep = {"seconds": dt, "samples": samples, "payload_bytes": payload,
+                  "first_batch_seconds": first, "load_1min": load,
+                  # the sampler's CPU is ours, not the loader's: take it out
+                  "main_cpu_seconds": main1 - main0 - (samp1 - samp0),
+                  "worker_cpu_seconds": kids1 - kids0, "sampler_cpu_seconds": samp1 - samp0}
+            if end_mem is not None:
+                ep.update(tree_rss=end_mem[0], tree_pss=end_mem[1], processes=end_mem[2])
+            epochs.append(ep)
+    print(json.dumps({"setup_seconds": setup, "baseline_pss": base_pss,
+                      "peak_pss": sampler.peak_pss, "peak_rss": sampler.peak_rss,
+                      "memory_samples": sampler.samples,
+                      "epochs": epochs}))
+    return 0
+
+
+def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one child; return its result.
+
+    Raises:
+        RuntimeError: the child failed (its stderr is included).
+    """
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+                          capture_output=True, text=True, cwd=str(ROOT), stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec['kind']}/{spec['mode']} run exited {proc.returncode}:\n"
+                           f"{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+# --- dataset ----------------------------------------------------------------------------------
+
+
+def _read_all(paths: Sequence[str]) -> int:
+    total = 0
+    buf = bytearray(8 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+def prepare(work: str, files: int, classes: int, shard_size: str) -> dict[str, Any]:
+    """Generate the tree, pack it, read everything once (page cache warm).
+
+    Returns:
+        Paths and sizes: ``src``, ``shards``, ``tars``, ``files``, ``payload_bytes``, ...
+    """
+    import shardio
+    from tools.make_dataset import make_images
+
+    src, shards = os.path.join(work, "src"), os.path.join(work, "shards")
+    t0 = time.perf_counter()
+    make_images(src, files=files, classes=classes)
+    t_gen = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    manifest = shardio.pack(src, shards, label_from_dir=True, shard_size=shard_size, workers=2,
+                            fsync=False, progress=False)
+    t_pack = time.perf_counter() - t0
+    sources = [os.path.join(d, n) for d, _, names in os.walk(src) for n in names]
+    tars = [os.path.join(shards, s.path) for s in manifest.shards]
+    payload = _read_all(sources)
+    shard_bytes = _read_all(tars)
+    _read_all([t + ".idx" for t in tars if os.path.exists(t + ".idx")])
+    if len(sources) != files:
+        raise RuntimeError(f"generated {len(sources)} files, expected {files}")
+    print(f"generated {files} files ({payload / 1e6:.1f} MB) in {t_gen:.1f}s, packed into "
+          f"{len(tars)} shards ({shard_bytes / 1e6:.1f} MB) in {t_pack:.1f}s; page cache warmed",
+          file=sys.stderr)
+    return {"src": src, "shards": shards, "tars": tars, "files": files, "payload_bytes": payload,
+            "num_shards": len(tars), "shard_bytes": shard_bytes}
+
+
+# --- orchestration and reporting ----------------------------------------------------------------
+
+
+@dataclass
+class Contender:
+    kind: str
+    mode: str
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_{self.mode}"
+
+
+LOADER_DESC = {
+    "shardio": ("DataLoader(ShardDataset(batch_size=256, shuffle=True, transform=f), "
+                "batch_size=256)"),
+    "smallfiles": "DataLoader(ImageFolderBytes(src), batch_size=256, shuffle=True)",
+    "wds_batched": ("WebLoader(WebDataset(tars, shardshuffle=len(tars)).shuffle(1000).to_tuple()"
+                    ".map(f).batched(256), batch_size=None)"),
+    "wds_dataloader": ("DataLoader(WebDataset(tars, shardshuffle=len(tars)).shuffle(1000)"
+                       ".to_tuple().map(f), batch_size=256)"),
+}
+
+
+def _rate(n: float, seconds: float) -> float:
+    return round(n / seconds, 1) if seconds > 0 else float("inf")
+
+
+def _mb(b: float) -> float:
+    return round(b / 1e6, 1)
+
+
+def contender_line(c: Contender, data: dict[str, Any]) -> dict[str, Any]:
+    secs = [r["epochs"][0]["seconds"] for r in c.runs]
+    best = min(c.runs, key=lambda r: r["epochs"][0]["seconds"])["epochs"][0]
+    med = statistics.median(secs)
+    payload = best["payload_bytes"]
+    return {
+        "bench": "read", "kind": "contender", "contender": c.kind, "mode": c.mode,
+        "loader": LOADER_DESC[c.kind], "batch_size": BATCH, "num_workers": WORKERS,
+        "persistent_workers": False, "files": data["files"], "payload_bytes": payload,
+        "runs": len(secs),
+        "seconds": round(best["seconds"], 4),
+        "samples_per_s": _rate(best["samples"], best["seconds"]),
+        "mb_per_s": _rate(payload / 1e6, best["seconds"]),
+        "median_seconds": round(med, 4),
+        "median_samples_per_s": _rate(best["samples"], med),
+        "median_mb_per_s": _rate(payload / 1e6, med),
+        "all_seconds": [round(s, 4) for s in secs],
+        "first_batch_seconds": round(best["first_batch_seconds"], 4),
+        "peak_pss_mb": _mb(max(r["peak_pss"] for r in c.runs)),
+        "peak_rss_sum_mb": _mb(max(r["peak_rss"] for r in c.runs)),
+        "baseline_pss_mb": _mb(min(r["baseline_pss"] for r in c.runs)),
+        "setup_seconds": round(min(r["setup_seconds"] for r in c.runs), 4),
+        "cpu_seconds": round(best["main_cpu_seconds"] + best["worker_cpu_seconds"], 3),
+        "main_cpu_seconds": round(best["main_cpu_seconds"], 3),
+        "worker_cpu_seconds": round(best["worker_cpu_seconds"], 3),
+        "min_cpu_us_per_sample": round(min(_cpu_us(r["epochs"][0]) for r in c.runs), 1),
+        "max_load_1min": round(max(r["epochs"][0]["load_1min"] for r in c.runs), 2),
+    }
+
+
+def _cpu_us(ep: dict[str, Any]) -> float:
+    """Loader CPU (main + workers, the memory sampler excluded) per delivered sample, in us."""
+    return (ep["main_cpu_seconds"] + ep["worker_cpu_seconds"]) / ep["samples"] * 1e6
+
+
+def _growth_pct(first: float, last: float) -> float:
+    return round((last - first) / first * 100, 2)
+
+
+def _trend_pct(values: Sequence[float]) -> float:
+    """Least-squares growth from the first to the last epoch, in % of the fitted first value
+    (less sensitive than first-vs-last to one noisy reading)."""
+    import numpy as np
+
+    if len(values) < 2:
+        return 0.0
+    slope, first = np.polyfit(np.arange(len(values)), np.asarray(values, dtype=float), 1)
+    return round(float(slope * (len(values) - 1) / first * 100), 2)
+
+
+def growth_line(kind: str, persistent: bool, r: dict[str, Any]) -> dict[str, Any]:
+    eps = r["epochs"]
+    rss = [e["tree_rss"] for e in eps]
+    pss = [e["tree_pss"] for e in eps]
+    sps = [_rate(e["samples"], e["seconds"]) for e in eps]
+    return {
+        "bench": "read", "kind": "growth", "contender": kind, "mode": "raw",
+        "persistent_workers": persistent, "epochs": len(eps),
+        "epoch_seconds": [round(e["seconds"], 3) for e in eps],
+        "samples_per_s": sps,
+        # epoch 1 pays worker start-up even with persistent workers; later epochs do not
+        "median_samples_per_s_after_epoch1": statistics.median(sps[1:]) if len(sps) > 1 else sps[0],
+        "tree_rss_mb": [_mb(v) for v in rss], "tree_pss_mb": [_mb(v) for v in pss],
+        "processes": [e["processes"] for e in eps],
+        "rss_growth_pct": _growth_pct(rss[0], rss[-1]),
+        "pss_growth_pct": _growth_pct(pss[0], pss[-1]),
+        "rss_trend_pct": _trend_pct(rss), "pss_trend_pct": _trend_pct(pss),
+        "peak_pss_mb": _mb(r["peak_pss"]),
+    }
+
+
+def summary_line(lines: dict[str, dict[str, Any]], growth: list[dict[str, Any]],
+                 cfg: dict[str, Any]) -> dict[str, Any]:
+    def sps(name: str) -> float:
+        return float(lines[name]["samples_per_s"])
+
+    def cpu_ratio(a: str, b: str) -> float:
+        return round(lines[a]["min_cpu_us_per_sample"] / lines[b]["min_cpu_us_per_sample"], 3)
+
+    wds_best = {m: max(("wds_batched", "wds_dataloader"), key=lambda k: sps(f"{k}_{m}"))
+                for m in MODES}
+    raw_vs_files = round(sps("shardio_raw") / sps("smallfiles_raw"), 3)
+    raw_vs_wds = round(sps("shardio_raw") / sps(f"{wds_best['raw']}_raw"), 3)
+    decode_vs_wds = round(sps("shardio_decode") / sps(f"{wds_best['decode']}_decode"), 3)
+    shardio_growth = [g for g in growth if g["contender"] == "shardio"]
+    rss_growth = max((g["rss_growth_pct"] for g in shardio_growth), default=None)
+    steady = {g["contender"]: g["median_samples_per_s_after_epoch1"] for g in growth
+              if g["persistent_workers"] and g["epochs"] > 1}
+    ratios: dict[str, float | None] = {
+        "raw_shardio_vs_smallfiles": raw_vs_files,
+        "raw_shardio_vs_webdataset": raw_vs_wds,
+        "decode_shardio_vs_webdataset": decode_vs_wds,
+        "decode_shardio_vs_smallfiles": round(sps("shardio_decode") / sps("smallfiles_decode"), 3),
+        "raw_shardio_vs_webdataset_median": round(
+            lines["shardio_raw"]["median_samples_per_s"]
+            / lines[f"{wds_best['raw']}_raw"]["median_samples_per_s"], 3),
+        "raw_shardio_vs_smallfiles_persistent_workers": (
+            round(steady["shardio"] / steady["smallfiles"], 3)
+            if {"shardio", "smallfiles"} <= set(steady) else None),
+        "shardio_rss_growth_pct": rss_growth,
+        "shardio_pss_growth_pct": max((g["pss_growth_pct"] for g in shardio_growth),
+                                      default=None),
+    }
+    return {
+        "bench": "read", "kind": "summary", **cfg,
+        "webdataset_setup": {m: wds_best[m] for m in MODES},
+        "samples_per_s": {name: ln["samples_per_s"] for name, ln in lines.items()},
+        "median_samples_per_s": {name: ln["median_samples_per_s"] for name, ln in lines.items()},
+        "mb_per_s": {name: ln["mb_per_s"] for name, ln in lines.items()},
+        "peak_pss_mb": {name: ln["peak_pss_mb"] for name, ln in lines.items()},
+        "min_cpu_us_per_sample": {name: ln["min_cpu_us_per_sample"]
+                                  for name, ln in lines.items()},
+        "cpu_ratios": {
+            "raw_smallfiles_vs_shardio": cpu_ratio("smallfiles_raw", "shardio_raw"),
+            "raw_webdataset_vs_shardio": cpu_ratio(f"{wds_best['raw']}_raw", "shardio_raw"),
+            "decode_webdataset_vs_shardio":
+                cpu_ratio(f"{wds_best['decode']}_decode", "shardio_decode"),
+        },
+        "max_load_1min": max(ln["max_load_1min"] for ln in lines.values()),
+        "growth": {f"{g['contender']}_persistent_{g['persistent_workers']}".lower():
+                   {k: g[k] for k in ("rss_growth_pct", "pss_growth_pct", "rss_trend_pct",
+                                      "pss_trend_pct")}
+                   for g in growth},
+        "ratios": ratios,
+        "targets": {
+            "raw_shardio_ge_2x_smallfiles": raw_vs_files >= TARGETS["raw_vs_smallfiles"],
+            "raw_shardio_ge_4x_webdataset": raw_vs_wds >= TARGETS["raw_vs_webdataset"],
+            "decode_shardio_ge_1_1x_webdataset": decode_vs_wds >= TARGETS["decode_vs_webdataset"],
+            "shardio_rss_growth_lt_5pct":
+                rss_growth is not None and rss_growth < TARGETS["rss_growth_pct"],
+        },
+        "notes": ("cpu_ratios: loader CPU per sample (main + workers, lowest run), other/shardio, "
+                  "a load-independent cross-check when the machine is shared (max_load_1min); "
+                  "ratios of best-run samples/s (one epoch, worker start and shutdown included, "
+                  "persistent_workers=False); webdataset ratios use the faster webdataset setup "
+                  "per mode (webdataset_setup); growth = tree RSS after the last epoch vs after "
+                  "epoch 1, worst of shardio with persistent_workers False and True; "
+                  "raw_shardio_vs_smallfiles_persistent_workers compares the growth runs' median "
+                  "epoch after the first (no worker start-up)."),
+    }
+
+
+def print_table(lines: Sequence[dict[str, Any]], growth: Sequence[dict[str, Any]],
+                summary: dict[str, Any]) -> None:
+    err = sys.stderr
+    print(f"\nread benchmark: {summary['files']} files, {summary['payload_mb']} MB in "
+          f"{summary['num_shards']} shards, batch {BATCH}, {WORKERS} workers, best of "
+          f"{summary['repeat']} (median in brackets), {summary['cpus']} CPUs", file=err)
+    print(f"{'contender':<22} {'samples/s':>18} {'MB/s':>16} {'best s':>8} {'1st batch':>9} "
+          f"{'PSS MB':>7} {'cpu us/smp':>10}", file=err)
+    for ln in lines:
+        print(f"{ln['contender'] + '_' + ln['mode']:<22} {ln['samples_per_s']:>9.0f} "
+              f"({ln['median_samples_per_s']:>6.0f}) {ln['mb_per_s']:>7.1f} "
+              f"({ln['median_mb_per_s']:>6.1f}) {ln['seconds']:>8.3f} "
+              f"{ln['first_batch_seconds']:>9.3f} {ln['peak_pss_mb']:>7.1f} "
+              f"{ln['min_cpu_us_per_sample']:>10.1f}", file=err)
+    for g in growth:
+        print(f"growth {g['contender']:<10} persistent={g['persistent_workers']!s:<5} "
+              f"{g['epochs']} epochs, {g['processes'][-1]} procs: tree RSS "
+              f"{g['tree_rss_mb'][0]} -> {g['tree_rss_mb'][-1]} MB ({g['rss_growth_pct']:+.2f}%, "
+              f"trend {g['rss_trend_pct']:+.2f}%), PSS {g['tree_pss_mb'][0]} -> "
+              f"{g['tree_pss_mb'][-1]} MB ({g['pss_growth_pct']:+.2f}%); "
+              f"{g['median_samples_per_s_after_epoch1']:.0f} "
+              f"samples/s after epoch 1", file=err)
+    print("webdataset setup used: " + ", ".join(f"{m}={k}"
+                                                for m, k in summary["webdataset_setup"].items()),
+          file=err)
+    print("ratios: " + ", ".join(f"{k}={v}" for k, v in summary["ratios"].items()), file=err)
+    print("cpu ratios (other/shardio CPU per sample): "
+          + ", ".join(f"{k}={v}" for k, v in summary["cpu_ratios"].items())
+          + f"; max 1-min load during runs {summary['max_load_1min']}", file=err)
+    print("targets: " + ", ".join(f"{k}={'PASS' if v else 'MISS'}"
+                                  for k, v in summary["targets"].items()), file=err)
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--files", type=int, default=None, help="files to generate (default 20000)")
+    p.add_argument("--classes", type=int, default=None, help="class folders (default 100)")
+    p.add_argument("--repeat", type=int, default=None, help="runs per contender (default 3)")
+    p.add_argument("--growth-epochs", type=int, default=None,
+                   help="epochs of the memory growth check (default 10; 0 skips it)")
+    p.add_argument("--shard-size", default=None, help="pack shard size (default 64MB)")
+    p.add_argument("--sample-interval", type=float, default=0.1,
+                   help="seconds between memory samples (default 0.1)")
+    p.add_argument("--workdir", default=None,
+                   help="directory to work in (a fresh subdirectory is made; default system temp)")
+    p.add_argument("--keep", action="store_true", help="keep the generated tree and shards")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}, "
+                        f"{QUICK['growth_epochs']} growth epochs, {QUICK['shard_size']} shards")
+    p.add_argument("--json-out", default=None, metavar="PATH",
+                   help="also write the JSON lines here")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    if a.child:
+        return child(json.loads(a.child))
+    base = QUICK if a.quick else DEFAULTS
+    n_files = a.files if a.files is not None else base["files"]
+    n_classes = a.classes if a.classes is not None else base["classes"]
+    repeat = a.repeat if a.repeat is not None else base["repeat"]
+    growth_epochs = a.growth_epochs if a.growth_epochs is not None else base["growth_epochs"]
+    shard_size = a.shard_size or base["shard_size"]
+    if n_files < 1 or n_classes < 1 or repeat < 1 or growth_epochs < 0 or a.sample_interval <= 0:
+        print("bench_read: --files, --classes, --repeat must be >= 1, --growth-epochs >= 0, "
+              "--sample-interval > 0", file=sys.stderr)
+        return 2
+    if a.workdir:
+        os.makedirs(a.workdir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="shardio-bench-read-", dir=a.workdir)
+    try:
+        return _bench(work, n_files, n_classes, repeat, growth_epochs, shard_size,
+                      a.sample_interval, a.json_out)
+    finally:
+        if a.keep:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _bench(work: str, n_files: int, n_classes: int, repeat: int, growth_epochs: int,
+           shard_size: str, interval: float, json_out: str | None) -> int:
+    data = prepare(work, n_files, n_classes, shard_size)
+    base_spec = {k: data[k] for k in ("src", "shards", "tars", "files")}
+    base_spec.update(sample_interval=interval, persistent=False, epochs=1, end_memory=False)
+
+    contenders = [Contender(k, m) for m in MODES for k in KINDS]
+    for rnd in range(repeat):
+        k = rnd % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            c.runs.append(_run_child({**base_spec, "kind": c.kind, "mode": c.mode}))
+            ep = c.runs[-1]["epochs"][0]
+            print(f"  round {rnd + 1}/{repeat} {c.name}: {ep['seconds']:.3f}s "
+                  f"({ep['samples'] / ep['seconds']:.0f} samples/s, {_cpu_us(ep):.1f} us "
+                  f"CPU/sample, load {ep['load_1min']:.1f})", file=sys.stderr)
+
+    growth = []
+    if growth_epochs:
+        for kind, persistent in GROWTH:
+            r = _run_child({**base_spec, "kind": kind, "mode": "raw", "persistent": persistent,
+                            "epochs": growth_epochs, "end_memory": True})
+            growth.append(growth_line(kind, persistent, r))
+            g = growth[-1]
+            print(f"  growth {kind} persistent={persistent}: RSS {g['rss_growth_pct']:+.2f}%, "
+                  f"PSS {g['pss_growth_pct']:+.2f}%", file=sys.stderr)
+
+    import shardio
+
+    cfg = {
+        "files": data["files"], "payload_bytes": data["payload_bytes"],
+        "payload_mb": _mb(data["payload_bytes"]), "classes": n_classes,
+        "num_shards": data["num_shards"], "shard_size": shard_size, "repeat": repeat,
+        "growth_epochs": growth_epochs, "batch_size": BATCH, "num_workers": WORKERS,
+        "persistent_workers": False, "sample_interval": interval, "cpus": os.cpu_count(),
+        "python": platform.python_version(), "shardio": shardio.__version__,
+        "torch": _dist_version("torch"), "webdataset": _dist_version("webdataset"),
+        "pillow": _dist_version("pillow"),
+    }
+    lines = [contender_line(c, data) for c in contenders]
+    summary = summary_line({f"{ln['contender']}_{ln['mode']}": ln for ln in lines}, growth, cfg)
+    text = "".join(json.dumps(ln) + "\n" for ln in [*lines, *growth, summary])
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    if json_out:
+        Path(json_out).write_text(text)
+    print_table(lines, growth, summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
