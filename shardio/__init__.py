@@ -12,10 +12,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DatasetReader",
+    "LoaderOptions",
     "Manifest",
     "PackOptions",
     "ReadOptions",
     "ShardDataset",
+    "ShardLoader",
     "Topology",
     "__version__",
     "describe",
@@ -31,7 +33,9 @@ _LAZY = {
     "Manifest": ("shardio.manifest", "Manifest"),
     "PackOptions": ("shardio.config", "PackOptions"),
     "ReadOptions": ("shardio.config", "ReadOptions"),
+    "LoaderOptions": ("shardio.config", "LoaderOptions"),
     "ShardDataset": ("shardio.dataset", "ShardDataset"),
+    "ShardLoader": ("shardio.loader", "ShardLoader"),
     "Topology": ("shardio.topology", "Topology"),
     "describe": ("shardio.summary", "describe"),
     "errors": ("shardio.errors", None),

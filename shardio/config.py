@@ -9,7 +9,7 @@ from .checksum import DEFAULT_SAMPLE, sample_checksum_fn
 from .codec import parse_compress
 from .errors import UsageError
 
-__all__ = ["FORMATS", "ON_ERROR", "PackOptions", "ReadOptions", "check_format"]
+__all__ = ["FORMATS", "ON_ERROR", "LoaderOptions", "PackOptions", "ReadOptions", "check_format"]
 
 ON_ERROR = ("raise", "skip")
 FORMATS = ("tar", "hdf5")
@@ -144,3 +144,46 @@ class ReadOptions:
             raise UsageError(f"shuffle_block must be >= 1, got {self.shuffle_block}")
         if self.max_open_shards < 1:
             raise UsageError(f"max_open_shards must be >= 1, got {self.max_open_shards}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderOptions:
+    """Worker-pool and shared-memory settings of :class:`~shardio.ShardLoader`.
+
+    Args:
+        ring_bytes: shared memory per worker (``"128MiB"`` accepted); must hold a few batches.
+        shm_dir: directory for the rings (default ``/dev/shm``); any file-backed directory works
+            where ``/dev/shm`` is small.
+        cpus: CPUs to pin workers to, one each, round-robin (e.g. the cores of one NUMA node).
+        poll_interval: seconds between liveness checks of a worker main is waiting on; bounds the
+            time to notice a dead worker.
+        max_restarts: worker deaths tolerated per worker before WorkerCrashedError.
+        max_held_fraction: when batches the user still holds occupy more than this fraction of a
+            ring, new batches are copied out of the ring instead (with a warning).
+        log_every: log data-wait statistics every this many steps (0: never).
+        warn_window: steps over which persistent data starvation is judged.
+        warn_wait_ratio: warn once when waiting exceeds this multiple of computing.
+    """
+
+    ring_bytes: int | str = 128 << 20
+    shm_dir: str | None = None
+    cpus: tuple[int, ...] | None = None
+    poll_interval: float = 0.2
+    max_restarts: int = 3
+    max_held_fraction: float = 0.5
+    log_every: int = 0
+    warn_window: int = 50
+    warn_wait_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ring_bytes", parse_size(self.ring_bytes))
+        if self.cpus is not None:
+            object.__setattr__(self, "cpus", tuple(int(c) for c in self.cpus))
+            if not self.cpus:
+                raise UsageError("cpus must name at least one CPU")
+        if self.poll_interval <= 0:
+            raise UsageError(f"poll_interval must be > 0, got {self.poll_interval}")
+        if self.max_restarts < 0:
+            raise UsageError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not 0 < self.max_held_fraction <= 1:
+            raise UsageError(f"max_held_fraction must be in (0, 1], got {self.max_held_fraction}")

@@ -32,6 +32,16 @@ involved and say what to change.
     ├── DecodeError (ValueError)                 a field's bytes do not decode (malformed source)
     ├── ShardIOError (OSError)                   the OS failed a read or write (EIO, ...)
     │   └── StorageFullError                     ENOSPC / EDQUOT while writing
+    ├── ShmSpaceError (OSError)                  /dev/shm or the memory cgroup cannot hold the rings
+    ├── RingError                                a shared-memory ring (shardio.ring) failed
+    │   ├── RingClosedError (EOFError)           the peer closed the ring (and it is drained)
+    │   ├── RingTimeoutError (TimeoutError)      send/recv did not complete within its timeout
+    │   ├── RingNotFoundError (FileNotFoundError) the ring's file is gone (unlinked or swept)
+    │   ├── RingCorruptError                     bad header or record in the ring's memory
+    │   ├── MessageTooLargeError (ValueError)    a message does not fit in the ring's capacity
+    │   └── MessageInUseError (BufferError)      released while arrays still view its payload
+    ├── WorkerError (RuntimeError)               a loader worker raised (traceback attached)
+    │   └── WorkerCrashedError                   a worker kept dying (over max_restarts)
     └── MissingDependencyError (ImportError)     an optional package is needed for this feature
 """
 
@@ -48,23 +58,33 @@ __all__ = [
     "ManifestError",
     "ManifestNotFoundError",
     "ManifestVersionError",
+    "MessageInUseError",
+    "MessageTooLargeError",
     "MissingDependencyError",
     "NonUtf8NameError",
     "NotATarError",
     "OutputInsideSourceError",
     "OutputNotEmptyError",
+    "RingClosedError",
+    "RingCorruptError",
+    "RingError",
+    "RingNotFoundError",
+    "RingTimeoutError",
     "SampleTooLargeError",
     "ShardCorruptError",
     "ShardIOError",
     "ShardNotFoundError",
     "ShardTruncatedError",
     "ShardioError",
+    "ShmSpaceError",
     "SourceError",
     "StorageFullError",
     "SymlinkLoopError",
     "UnreadableFileError",
     "UnsafePathError",
     "UsageError",
+    "WorkerCrashedError",
+    "WorkerError",
 ]
 
 
@@ -190,6 +210,51 @@ class ShardIOError(ShardioError, OSError):
 
 class StorageFullError(ShardIOError):
     """The target filesystem ran out of space or quota while writing."""
+
+
+class ShmSpaceError(ShardioError, OSError):
+    """Shared memory for the rings would not fit in the directory's free space or the memory cgroup.
+
+    The message says how much is needed, how much is free, and which option to lower or which
+    directory to use instead.
+    """
+
+
+class RingError(ShardioError):
+    """A shared-memory ring between processes failed (see ``shardio.ring``)."""
+
+
+class RingClosedError(RingError, EOFError):
+    """The ring was closed: no more sends, and every message sent before the close was received."""
+
+
+class RingTimeoutError(RingError, TimeoutError):
+    """A ring send or receive did not complete within its timeout."""
+
+
+class RingNotFoundError(RingError, FileNotFoundError):
+    """The ring's backing file no longer exists (unlinked by its creator or swept as stale)."""
+
+
+class RingCorruptError(RingError):
+    """The ring's memory holds a bad header or record: not a shardio ring, or overwritten."""
+
+
+class MessageTooLargeError(RingError, ValueError):
+    """A message is larger than the ring can ever hold; the message names the capacity to use."""
+
+
+class MessageInUseError(RingError, BufferError):
+    """A received message was released while arrays made from its payload still exist."""
+
+
+class WorkerError(ShardioError, RuntimeError):
+    """A loader worker raised; the message carries the worker's traceback, ``__cause__`` the
+    original exception."""
+
+
+class WorkerCrashedError(WorkerError):
+    """A loader worker died (signal, crash) more often than ``max_restarts`` allows."""
 
 
 class MissingDependencyError(ShardioError, ImportError):

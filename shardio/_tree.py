@@ -1,0 +1,242 @@
+"""Batch trees in shared memory: one message per batch, array data never pickled.
+
+A batch is a tree of dicts, lists and tuples whose leaves are arrays (numpy arrays or torch
+tensors), numbers, strings, bytes or ``None``.  Message layout (all offsets from the message
+start, array payloads 64-byte aligned so they can be viewed in place)::
+
+    0    header  <I kind> <I n_arrays> <q step> <I meta_len> <I generation> <6d stage seconds>
+    72   table   n_arrays x <Q offset> <Q nbytes>
+    ...  meta    pickle of the skeleton: the tree with every array replaced by ``_Arr(i, dtype,
+                 shape, tensor)``; everything else is small and pickled in-band
+    ...  arrays  raw bytes of array i at table[i].offset
+
+Two ways to fill a message: :func:`plan_tree` for a tree already built by a user's
+``collate_fn`` (one copy of each array into the message), and :func:`plan_collate`, the default
+collate, which stacks per-sample arrays straight into the message (the only copy there is).
+The reader side (:func:`read_tree`) rebuilds the skeleton with arrays that view the message.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "KIND_BATCH",
+    "KIND_ERROR",
+    "Plan",
+    "error_message",
+    "plan_collate",
+    "plan_tree",
+    "read_error",
+    "read_header",
+    "read_tree",
+]
+
+KIND_BATCH = 1
+KIND_ERROR = 2
+_HEAD = struct.Struct("<IIqII6d")
+ALIGN = 64
+STAGES = ("read", "decode", "transform", "collate", "write", "total")
+
+
+class _Arr(NamedTuple):
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+    tensor: bool
+
+
+def _align(n: int) -> int:
+    return n + (-n % ALIGN)
+
+
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "numpy")
+
+
+@dataclass
+class Plan:
+    """A message ready to be written: sizes known, arrays filled by ``fills``."""
+
+    meta: bytes
+    shapes: list[tuple[np.dtype, tuple[int, ...]]]
+    fills: list[Callable[[np.ndarray], None]]
+
+    @property
+    def table_offsets(self) -> list[tuple[int, int]]:
+        pos = _align(_HEAD.size + 16 * len(self.shapes) + len(self.meta))
+        out = []
+        for dtype, shape in self.shapes:
+            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            out.append((pos, n))
+            pos = _align(pos + n)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        t = self.table_offsets
+        return t[-1][0] + t[-1][1] if t else _HEAD.size + len(self.meta)
+
+    def write(self, buf: memoryview, step: int, times: Sequence[float], *,
+              kind: int = KIND_BATCH, generation: int = 0) -> None:
+        """Write header, table, meta and arrays into ``buf`` (at least :attr:`nbytes` long)."""
+        table = self.table_offsets
+        _HEAD.pack_into(buf, 0, kind, len(table), step, len(self.meta), generation & 0xFFFFFFFF,
+                        *_times(times))
+        pos = _HEAD.size
+        for off, n in table:
+            struct.pack_into("<QQ", buf, pos, off, n)
+            pos += 16
+        buf[pos : pos + len(self.meta)] = self.meta
+        raw = np.frombuffer(buf, dtype=np.uint8)
+        for (off, n), (dtype, shape), fill in zip(table, self.shapes, self.fills):
+            fill(raw[off : off + n].view(dtype).reshape(shape))
+
+
+def _times(times: Sequence[float]) -> list[float]:
+    t = list(times)[: len(STAGES)]
+    return t + [0.0] * (len(STAGES) - len(t))
+
+
+def _copy_from(src: np.ndarray) -> Callable[[np.ndarray], None]:
+    def fill(dst: np.ndarray) -> None:
+        np.copyto(dst, src, casting="no")
+
+    return fill
+
+
+def plan_tree(tree: Any) -> Plan:
+    """Plan a message for a tree built by the user's collate function."""
+    shapes: list[tuple[np.dtype, tuple[int, ...]]] = []
+    fills: list[Callable[[np.ndarray], None]] = []
+
+    def leaf(x: Any) -> Any:
+        tensor = _is_tensor(x)
+        if tensor or isinstance(x, np.ndarray):
+            arr = np.ascontiguousarray(x.detach().cpu().numpy() if tensor else x)
+            if arr.dtype.hasobject:
+                return arr
+            shapes.append((arr.dtype, arr.shape))
+            fills.append(_copy_from(arr))
+            return _Arr(len(shapes) - 1, arr.dtype.str, arr.shape, tensor)
+        if isinstance(x, dict):
+            return {k: leaf(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [leaf(v) for v in x]
+        if isinstance(x, tuple) and not hasattr(x, "_fields"):
+            return tuple(leaf(v) for v in x)
+        return x
+
+    skeleton = leaf(tree)
+    return Plan(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), shapes, fills)
+
+
+def plan_collate(samples: Sequence[Any]) -> Plan:
+    """Default collate, like torch's ``default_collate`` but writing into the message.
+
+    Per-sample arrays/tensors of one shape and dtype are stacked into one batch tensor (written
+    directly into the message), numbers become int64/float64 tensors, dicts and sequences are
+    collated field by field, strings and bytes become lists.
+    """
+    shapes: list[tuple[np.dtype, tuple[int, ...]]] = []
+    fills: list[Callable[[np.ndarray], None]] = []
+
+    def add(dtype: np.dtype, shape: tuple[int, ...], fill: Callable[[np.ndarray], None]) -> _Arr:
+        shapes.append((dtype, shape))
+        fills.append(fill)
+        return _Arr(len(shapes) - 1, dtype.str, shape, True)
+
+    def col(items: Sequence[Any]) -> Any:
+        first = items[0]
+        if _is_tensor(first) or isinstance(first, np.ndarray):
+            arrs = [x.detach().cpu().numpy() if _is_tensor(x) else x for x in items]
+            a0 = arrs[0]
+            if not a0.dtype.hasobject and all(
+                a.shape == a0.shape and a.dtype == a0.dtype for a in arrs
+            ):
+                def fill(dst: np.ndarray, arrs: list[np.ndarray] = arrs) -> None:
+                    for i, a in enumerate(arrs):
+                        dst[i] = a
+
+                return add(a0.dtype, (len(arrs), *a0.shape), fill)
+            return list(items)
+        if isinstance(first, (bool, np.bool_, int, np.integer)):
+            dtype = np.bool_ if isinstance(first, (bool, np.bool_)) else np.int64
+            try:
+                arr = np.asarray(items, dtype=dtype)
+            except (OverflowError, ValueError, TypeError):
+                return list(items)
+            return add(arr.dtype, arr.shape, _copy_from(arr))
+        if isinstance(first, (float, np.floating)):
+            arr = np.asarray(items, dtype=np.float64)
+            return add(arr.dtype, arr.shape, _copy_from(arr))
+        if isinstance(first, dict):
+            return {k: col([d[k] for d in items]) for k in first}
+        if isinstance(first, (list, tuple)) and not isinstance(first, (str, bytes)):
+            if all(len(x) == len(first) for x in items):
+                cols = [col([x[i] for x in items]) for i in range(len(first))]
+                return tuple(cols) if isinstance(first, tuple) else cols
+        return list(items)
+
+    skeleton = col(list(samples))
+    return Plan(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), shapes, fills)
+
+
+def read_header(buf: Any) -> tuple[int, int, dict[str, float], int]:
+    """``(kind, step, stage_seconds, generation)`` of a message."""
+    kind, _n, step, _m, gen, *times = _HEAD.unpack_from(buf, 0)
+    return kind, step, dict(zip(STAGES, times)), gen
+
+
+def read_tree(buf: np.ndarray, to_tensor: Callable[[np.ndarray], Any] | None = None) -> Any:
+    """Rebuild a message's tree with arrays viewing ``buf`` (a uint8 array over the message).
+
+    Args:
+        buf: the message bytes; arrays returned are views into it (zero-copy).
+        to_tensor: applied to arrays that were tensors (e.g. ``torch.from_numpy``).
+    """
+    _kind, n, _step, mlen, _p, *_t = _HEAD.unpack_from(buf, 0)
+    table = [struct.unpack_from("<QQ", buf, _HEAD.size + 16 * i) for i in range(n)]
+    mstart = _HEAD.size + 16 * n
+    skeleton = pickle.loads(buf[mstart : mstart + mlen].tobytes())
+    return _build(skeleton, buf, table, to_tensor)
+
+
+def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
+           to_tensor: Callable[[np.ndarray], Any] | None) -> Any:
+    # A module-level function, not a closure: a recursive closure is a reference cycle that
+    # would keep ``buf`` (and so the ring region) alive until the cyclic GC runs.
+    if isinstance(x, _Arr):
+        off, nbytes = table[x.index]
+        arr = buf[off : off + nbytes].view(np.dtype(x.dtype)).reshape(x.shape)
+        return to_tensor(arr) if (x.tensor and to_tensor is not None) else arr
+    if isinstance(x, dict):
+        return {k: _build(v, buf, table, to_tensor) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_build(v, buf, table, to_tensor) for v in x]
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_build(v, buf, table, to_tensor) for v in x)
+    return x
+
+
+def error_message(exc: BaseException, tb: str) -> Plan:
+    """A message carrying a worker's exception (pickled when possible) and its traceback."""
+    try:
+        payload = pickle.dumps((exc, tb))
+    except Exception:
+        payload = pickle.dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
+    arr = np.frombuffer(payload, dtype=np.uint8)
+    return Plan(pickle.dumps(_Arr(0, arr.dtype.str, arr.shape, False)), [(arr.dtype, arr.shape)],
+                [_copy_from(arr)])
+
+
+def read_error(buf: Any) -> tuple[BaseException, str]:
+    """The ``(exception, traceback text)`` carried by an error message."""
+    payload = read_tree(np.frombuffer(bytes(buf), dtype=np.uint8))
+    return pickle.loads(payload.tobytes())  # type: ignore[no-any-return]

@@ -1,0 +1,282 @@
+"""``ShardLoader``: a drop-in replacement for ``torch.utils.data.DataLoader`` over a ShardDataset.
+
+Workers (:mod:`shardio.pool`) read, decode, transform and collate whole batches and write them
+into per-worker shared-memory rings; the training loop receives tensors that view the ring
+(zero-copy).  A ring region is reused only after every tensor of its batch is garbage: each
+batch's arrays hang off one *lease* object whose finalizer queues the region for release.  If
+the user keeps so many batches that a ring would fill, new batches are copied out of the ring
+(one warning) instead of deadlocking or overwriting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._tree import plan_collate, plan_tree, read_header, read_tree
+from .config import LoaderOptions
+from .dataset import ShardDataset, _ids_at
+from .errors import UsageError
+from .order import EpochOrder, RankPlan
+from .pool import PoolOptions, WorkerPool
+from .stats import LoaderStats
+
+__all__ = ["ShardLoader"]
+
+log = logging.getLogger("shardio.loader")
+
+
+class _Lease(np.ndarray):
+    """The uint8 view of one ring message; every array of the batch is a view of it."""
+
+
+class _Job:
+    """Runs in each worker: the epoch's order and plan, then one batch per ``produce``."""
+
+    def __init__(self, dataset: ShardDataset, collate_fn: Callable[[list[Any]], Any] | None) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.order: EpochOrder | None = None
+        self.plan: RankPlan | None = None
+        self.cursor = 0
+
+    def begin(self, spec: dict[str, Any]) -> None:
+        ds = self.dataset
+        o = ds.options
+        ds.epoch = spec["epoch"]
+        self.cursor = spec["cursor"]
+        self.order = EpochOrder(np.diff(ds.reader.offsets), seed=o.seed, epoch=spec["epoch"],
+                                shuffle=o.shuffle, shuffle_block=o.shuffle_block)
+        self.plan = RankPlan(ds.num_samples - self.cursor, spec["world_size"], spec["rank"],
+                             spec["batch_size"], o.remainder)
+
+    def produce(self, step: int) -> tuple[Any, list[float]]:
+        assert self.plan is not None and self.order is not None
+        t0 = time.perf_counter()
+        a, b = self.plan.batch_range(step)
+        positions = self.cursor + np.arange(a, b, dtype=np.int64) % self.plan.remaining
+        raw = list(self.dataset.reader.read_ids(_ids_at(self.order, positions)))
+        t1 = time.perf_counter()
+        o = self.dataset.options
+        if o.decode:
+            from .decode import decode_sample
+
+            raw = [decode_sample(s, allow_pickle=o.allow_pickle, image_mode=o.image_mode)
+                   for s in raw]
+        t2 = time.perf_counter()
+        tf = self.dataset.transform
+        samples = [tf(s) for s in raw] if tf is not None else raw
+        t3 = time.perf_counter()
+        plan = plan_tree(self.collate_fn(samples)) if self.collate_fn else plan_collate(samples)
+        t4 = time.perf_counter()
+        return plan, [t1 - t0, t2 - t1, t3 - t2, t4 - t3, 0.0, t4 - t0]
+
+
+class ShardLoader:
+    """Iterate batches of a :class:`~shardio.ShardDataset` with a shared-memory worker pool.
+
+    Replaces ``DataLoader(dataset, batch_size=..., num_workers=...)`` in a training loop: batches
+    come in the dataset's deterministic order, every rank gets the same number of them, and
+    ``state_dict()`` records exactly the batches handed out (not those prefetched).
+
+    Args:
+        dataset: the :class:`~shardio.ShardDataset` (its order, decode and transform apply).
+        batch_size: samples per batch.
+        num_workers: worker processes (>= 1).
+        collate_fn: builds a batch from a list of samples in the worker; default stacks arrays
+            straight into shared memory (like torch's ``default_collate``).
+        drop_last: drop each rank's final partial batch.
+        pin_memory: copy batches into pinned memory (only useful with CUDA).
+        options: :class:`~shardio.config.LoaderOptions` (ring size, shm directory, CPU pinning,
+            restarts, logging); or pass its fields as keywords.
+
+    Raises:
+        ShmSpaceError: the rings do not fit (names the option to change).
+        WorkerError: a worker raised (its traceback attached); WorkerCrashedError when workers
+            keep dying.
+    """
+
+    def __init__(
+        self,
+        dataset: ShardDataset,
+        batch_size: int = 1,
+        num_workers: int = 2,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        *,
+        options: LoaderOptions | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(dataset, ShardDataset):
+            raise UsageError("ShardLoader reads a shardio.ShardDataset; wrap your data with one")
+        if batch_size < 1 or num_workers < 1:
+            raise UsageError("batch_size and num_workers must be >= 1 (use DataLoader for 0)")
+        if options is None:
+            options = LoaderOptions(**kwargs)
+        elif kwargs:
+            raise UsageError("pass either options= or keyword options, not both")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.pin_memory = pin_memory
+        self.options = options
+        self._stats = LoaderStats(log_every=options.log_every, window=options.warn_window,
+                                  warn_ratio=options.warn_wait_ratio)
+        self._pool: WorkerPool | None = None
+        self._released: deque[tuple[Any, Any]] = deque()
+        self._delivered = 0
+        self._warned_copy = False
+        self._finished = False
+
+    # --- sizes and epochs --------------------------------------------------------------------
+    def _plan(self) -> RankPlan:
+        topo = self.dataset.topology
+        return RankPlan(self.dataset.num_samples - self.dataset._cursor, topo.world_size,
+                        topo.rank, self.batch_size, self.dataset.options.remainder)
+
+    def _num_steps(self, plan: RankPlan) -> int:
+        if self.drop_last:
+            return plan.per_rank // self.batch_size
+        return plan.num_batches
+
+    def __len__(self) -> int:
+        """Batches this rank yields in the current epoch (from the resume point, if any)."""
+        return self._num_steps(self._plan())
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next iteration follows (forwards to the dataset)."""
+        if epoch != self.dataset.epoch:
+            self._delivered = 0
+            self._finished = False
+        self.dataset.set_epoch(epoch)
+
+    # --- iteration ---------------------------------------------------------------------------
+    def _ensure_pool(self) -> WorkerPool:
+        if self._pool is None:
+            o = self.options
+            self._pool = WorkerPool(
+                _Job(self.dataset, self.collate_fn),
+                PoolOptions(num_workers=self.num_workers, ring_bytes=o.ring_bytes,
+                            shm_dir=o.shm_dir, cpus=o.cpus, poll_interval=o.poll_interval,
+                            max_restarts=o.max_restarts),
+            )
+            self._pool.start()
+        return self._pool
+
+    def _drain_releases(self) -> None:
+        while self._released:
+            ring, msg = self._released.popleft()
+            ring.release(msg)
+
+    def _materialize(self, ring: Any, msg: Any) -> Any:
+        held_limit = ring.capacity * self.options.max_held_fraction
+        if ring.held_bytes() > held_limit:
+            if not self._warned_copy:
+                self._warned_copy = True
+                warnings.warn(
+                    "the training loop holds on to so many batches that the shared-memory ring "
+                    "would fill; shardio copies batches out of the ring from now on (slower). "
+                    "Drop references to old batches, or raise ring_bytes", RuntimeWarning,
+                    stacklevel=3)
+            self._stats.copied_out += 1
+            buf = np.frombuffer(bytearray(msg.view), dtype=np.uint8)
+            ring.release(msg)
+            return read_tree(buf, torch.from_numpy)
+        lease = ring.array(msg, writable=True).view(_Lease)
+        weakref.finalize(lease, self._released.append, (ring, msg))
+        return read_tree(lease, torch.from_numpy)
+
+    def __iter__(self) -> Iterator[Any]:
+        pool = self._ensure_pool()
+        ds = self.dataset
+        topo = ds.topology
+        plan = self._plan()
+        steps = range(self._num_steps(plan))
+        spec = {"epoch": ds.epoch, "cursor": ds._cursor, "world_size": topo.world_size,
+                "rank": topo.rank, "batch_size": self.batch_size}
+        self._delivered = 0
+        self._finished = False
+        self._stats.restarts = pool.restarts
+        it = pool.run(spec, steps)
+        while True:
+            self._drain_releases()
+            started = self._stats.begin_wait()
+            try:
+                _step, ring, msg = next(it)
+            except StopIteration:
+                break
+            stages = read_header(msg.view)[2]
+            batch = self._materialize(ring, msg)
+            del msg
+            if self.pin_memory:
+                batch = _pin(batch)
+            self._delivered += 1
+            self._stats.restarts = pool.restarts
+            self._stats.end_wait(started, stages)
+            yield batch
+        self._stats.epoch_end()
+        self._finished = True
+        self.dataset._cursor = 0
+
+    # --- checkpointing and stats -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Resume point after the batches handed out so far (prefetched ones do not count)."""
+        ds = self.dataset
+        if self._finished:
+            return ds.state_dict(batches=0) | {"cursor": ds.num_samples}
+        return ds.state_dict(batches=self._delivered) | {"batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume exactly after what :meth:`state_dict` recorded (world size, worker count and
+        batch size may differ)."""
+        self.dataset.load_state_dict(state)
+        self._delivered = 0
+        self._finished = False
+
+    def stats(self) -> dict[str, Any]:
+        """Data-wait vs compute per step, per-stage worker times, copies, restarts."""
+        return self._stats.summary()
+
+    def close(self) -> None:
+        """Stop the workers and release shared memory (also done at garbage collection)."""
+        if self._pool is not None:
+            self._released.clear()
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> ShardLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _pin(tree: Any) -> Any:
+    if not torch.cuda.is_available():
+        return tree
+    if isinstance(tree, torch.Tensor):
+        return tree.pin_memory()
+    if isinstance(tree, dict):
+        return {k: _pin(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_pin(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_pin(v) for v in tree)
+    return tree

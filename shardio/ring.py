@@ -1,0 +1,913 @@
+"""Single-producer single-consumer ring of variable-size messages in shared memory.
+
+One process produces (``reserve`` → fill → ``commit``, or ``send``), one consumes (``recv`` →
+use ``msg.view`` in place → ``release``).  The data path takes no lock and makes no system call
+unless a side must sleep; cursors are published with release/acquire atomics (``shardio._atomics``)
+that hold on x86-64 and aarch64.
+
+Backing file
+    ``<directory>/shardio-<creator pid>-<16 hex digits>``, mode 0600, created with ``O_EXCL``,
+    sized with ``ftruncate`` and pre-allocated (``posix_fallocate``: a full ``/dev/shm`` fails at
+    creation, not as a SIGBUS mid-run), then mapped ``MAP_SHARED``.  The directory defaults to
+    ``/dev/shm``; any file-backed directory works.
+
+Header (little-endian; every shared word on its own 64-byte cache line)::
+
+    offset size field             written by                  meaning
+    0      8    magic             creator, once (last)        b"SHRDRING"
+    8      4    version           creator, once               1
+    12     4    header_bytes      creator, once               512 = offset of the data area
+    16     8    capacity          creator, once               data area bytes, a multiple of 64
+    24     8    creator_pid       creator, once               informational (the name carries it)
+    64     8    head              producer, release store     stream bytes ever committed
+    128    8    tail              consumer, release store     stream bytes ever released
+    192    4    closed            either side, seq_cst        0 open, 1 closed (never reset)
+    256    4    data_seq          producer, +1 per publish    futex word the consumer sleeps on
+    320    4    space_seq         consumer, +1 per tail move  futex word the producer sleeps on
+    384    4    producer_waiting  producer                    1 while it may sleep on space_seq
+    448    4    consumer_waiting  consumer                    1 while it may sleep on data_seq
+    512    cap  data area
+
+Records
+    ``head`` and ``tail`` are positions in an endless byte stream (multiples of 64); stream
+    position ``p`` lives at data offset ``p % capacity``.  ``head - tail`` bytes are in use.
+    A record is an 8-byte length word (u64) padded to 64 bytes, then the payload, padded to a
+    multiple of 64, so every payload starts 64-byte aligned and can hold aligned arrays in place::
+
+        +0   u64 payload length L   (SKIP = 2**64-1: nothing here; continue at data offset 0)
+        +64  payload (L bytes), zero or more padding bytes up to a multiple of 64
+
+    A record never wraps.  When it does not fit before the end of the data area, the producer
+    waits until that remainder is free, writes SKIP there, publishes it, and puts the record at
+    offset 0.  A payload of more than ``capacity - 64`` bytes can never fit: MessageTooLargeError.
+
+Protocol
+    Producer: ``reserve`` waits until ``capacity - (head - tail)`` covers the record and returns
+    a writable view of the payload; ``commit`` writes the length word, release-stores ``head``,
+    increments ``data_seq`` and, only if ``consumer_waiting`` is set, ``futex_wake(data_seq)``.
+    Consumer: ``recv`` acquire-loads ``head`` and reads the record at its private read position.
+    Received messages may be released in any order; ``tail`` advances only over the contiguous
+    released prefix (SKIP regions count as released).  After ``tail`` moves the consumer
+    increments ``space_seq`` and wakes the producer only if ``producer_waiting`` is set.
+
+How a blocked side sleeps and wakes (consumer shown; the producer mirrors it on space_seq)::
+
+    seq = load(data_seq); store(consumer_waiting, 1); fence()
+    if head moved or closed: store(consumer_waiting, 0) and proceed
+    futex_wait(data_seq, seq, timeout); store(consumer_waiting, 0); loop
+
+    The publisher stores ``head``, bumps ``data_seq``, fences, then reads ``consumer_waiting``.
+    With a seq_cst fence on each side, either the sleeper's re-check sees the new ``head`` or the
+    publisher sees the flag and wakes it; and because ``seq`` was read before the re-check, a bump
+    that lands before the sleeper reaches the kernel makes ``futex_wait`` return at once.  So no
+    wake-up is lost and nobody spins.  The futex is the shared (not PRIVATE) kind: the word lives
+    in a mapping shared between processes.
+
+Closing
+    ``close()`` on either side sets ``closed``, bumps both seq words and wakes every sleeper.  The
+    consumer still receives everything committed before the close, then gets RingClosedError; the
+    producer gets RingClosedError at once.
+
+Message lifetime
+    A received message's payload is not overwritten until it is released.  Arrays made with
+    ``Ring.array(msg)`` are tracked (``release`` refuses while one is alive); ``msg.view`` and
+    arrays made from it directly are not.  ``close()`` never unmaps by force: the mapping lives
+    until the last message view or array pointing into it is gone.
+
+Who unlinks
+    The creator's ``close()`` (in the creating process) or anyone's ``unlink()``.  With
+    ``Ring.create(..., unlink_now=True)`` the name is removed right after mapping: fork-inherited
+    children share the mapping and nothing can be left behind, even after SIGKILL.  Named rings
+    (for ``Ring.attach`` from spawned processes) whose creator died are removed by
+    :func:`sweep_stale` at start-up.  The memory itself is freed when the last process unmaps it.
+
+The ring does not watch its peer: a caller that must notice a dead peer passes a timeout and checks
+the peer between waits.  A ``Ring`` object is used by one thread; a forked child that takes over
+the producer role calls :meth:`Ring.become_producer` first.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import operator
+import os
+import re
+import secrets
+import struct
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ._atomics import fence as _fence
+from ._atomics import fetch_add_u32 as _fetch_add_u32
+from ._atomics import futex_wait as _futex_wait
+from ._atomics import futex_wake as _futex_wake
+from ._atomics import load_u32 as _load_u32
+from ._atomics import load_u64 as _load_u64
+from ._atomics import store_u32 as _store_u32
+from ._atomics import store_u64 as _store_u64
+from .errors import (
+    MessageInUseError,
+    MessageTooLargeError,
+    RingClosedError,
+    RingCorruptError,
+    RingNotFoundError,
+    RingTimeoutError,
+    ShmSpaceError,
+    UsageError,
+)
+
+__all__ = ["DEFAULT_SHM_DIR", "Message", "Ring", "check_shm_space", "sweep_stale"]
+
+DEFAULT_SHM_DIR = "/dev/shm"
+
+_MAGIC = b"SHRDRING"
+_VERSION = 1
+_HEADER_BYTES = 512
+_ALIGN = 64
+_RECORD_HEADER = 64
+_SKIP = 0xFFFF_FFFF_FFFF_FFFF
+_MIN_CAPACITY = 128
+
+_OFF_HEAD = 64
+_OFF_TAIL = 128
+_OFF_CLOSED = 192
+_OFF_DATA_SEQ = 256
+_OFF_SPACE_SEQ = 320
+_OFF_PRODUCER_WAITING = 384
+_OFF_CONSUMER_WAITING = 448
+
+_FIXED = struct.Struct("<8sIIQQ")  # magic, version, header_bytes, capacity, creator_pid
+_U64 = struct.Struct("<Q")
+_NAME_RE = re.compile(r"shardio-(\d+)-([0-9a-f]{16})")
+_WAKE_ALL = 2**31 - 1
+_MEMORY_FS = {"tmpfs", "ramfs", "hugetlbfs"}
+
+
+def _record_size(nbytes: int) -> int:
+    return _RECORD_HEADER + ((nbytes + _ALIGN - 1) & ~(_ALIGN - 1))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise UsageError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    return time.monotonic() + timeout
+
+
+class Message:
+    """One received message; valid until :meth:`Ring.release`.
+
+    Attributes:
+        view: read-only memoryview of the payload, in place in the shared mapping (no copy).
+            Do not use it after the message is released: the producer reuses the space.
+        start: stream position of the record (see the module docstring).
+        end: stream position just past the record; ``tail`` reaches it once this message and all
+            earlier ones are released.
+        nbytes: payload length.
+    """
+
+    __slots__ = ("view", "start", "end", "nbytes", "_arrays")
+
+    def __init__(self, view: memoryview, start: int, end: int) -> None:
+        self.view = view
+        self.start = start
+        self.end = end
+        self.nbytes = len(view)
+        self._arrays: list[weakref.ref[np.ndarray]] | None = None
+
+    def __repr__(self) -> str:
+        return f"Message(start={self.start}, end={self.end}, nbytes={self.nbytes})"
+
+
+class Ring:
+    """SPSC ring of variable-size messages in a shared mapping (layout: module docstring).
+
+    Make one with :meth:`create` or :meth:`attach`, not with the constructor.  Either process
+    may produce or consume, but at any time exactly one produces and one consumes.
+
+    Attributes:
+        path: the backing file's path (already unlinked when created with ``unlink_now=True``).
+        capacity: bytes in the data area; the largest payload is ``capacity - 64``.
+    """
+
+    def __init__(self, mm: mmap.mmap, path: str, capacity: int, creator_pid: int | None) -> None:
+        self._mm: mmap.mmap | None = mm
+        self.path = path
+        self.capacity = capacity
+        self._creator_pid = creator_pid
+        self._unlinked = False
+        self._rw = memoryview(mm)
+        self._ro = self._rw.toreadonly()
+        # producer side
+        self._head = 0
+        self._tail_seen = 0
+        self._pending: tuple[int, int, int, memoryview] | None = None
+        # consumer side
+        self._rpos = 0
+        self._tail = 0
+        self._head_seen = 0
+        self._order: deque[list[Any]] = deque()  # [end, released] per record, in stream order
+        self._held: dict[int, tuple[Message, list[Any]]] = {}
+        self._held_bytes = 0
+        self._sync_cursors()
+
+    def _sync_cursors(self) -> None:
+        mm = self._mm
+        self._head = _load_u64(mm, _OFF_HEAD)
+        self._tail_seen = self._tail = self._rpos = _load_u64(mm, _OFF_TAIL)
+        self._head_seen = self._rpos
+
+    # --- construction ----------------------------------------------------------------------
+    @classmethod
+    def create(cls, capacity: int, *, directory: str | os.PathLike[str] | None = None,
+               unlink_now: bool = False) -> Ring:
+        """Create a ring whose data area holds ``capacity`` bytes (rounded up to 64).
+
+        Args:
+            capacity: data area size in bytes, at least 128; a payload can be up to
+                ``capacity - 64`` bytes.
+            directory: where the backing file goes (default ``/dev/shm``).
+            unlink_now: unlink the file right after mapping it.  Only this process and the
+                children it forks can then use the ring, and nothing is left behind.
+
+        Raises:
+            UsageError: capacity is not an integer >= 128, or the directory is missing or not
+                writable.
+            ShmSpaceError: the directory or the memory cgroup cannot hold the ring.
+        """
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < _MIN_CAPACITY:
+            raise UsageError(f"ring capacity must be an integer >= {_MIN_CAPACITY} bytes, "
+                             f"got {capacity!r}")
+        capacity = (capacity + _ALIGN - 1) & ~(_ALIGN - 1)
+        directory = DEFAULT_SHM_DIR if directory is None else os.fspath(directory)
+        size = _HEADER_BYTES + capacity
+        check_shm_space(size, directory)
+        path = os.path.join(directory, f"shardio-{os.getpid()}-{secrets.token_hex(8)}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            err = _create_error(exc, path, size, directory)
+            if err is exc:
+                raise
+            raise err from exc
+        try:
+            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            _unlink_quietly(path)
+            err = _create_error(exc, path, size, directory)
+            if err is exc:
+                raise
+            raise err from exc
+        except BaseException:
+            _unlink_quietly(path)
+            raise
+        finally:
+            os.close(fd)
+        _FIXED.pack_into(mm, 0, b"\0" * 8, _VERSION, _HEADER_BYTES, capacity, os.getpid())
+        mm[0:8] = _MAGIC  # last: attach() rejects a half-initialised header
+        ring = cls(mm, path, capacity, os.getpid())
+        if unlink_now:
+            ring.unlink()
+        return ring
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike[str]) -> Ring:
+        """Map an existing ring by path (for processes that were not forked from its creator).
+
+        Raises:
+            RingNotFoundError: the file is gone (unlinked by its creator or swept as stale).
+            RingCorruptError: the file is not a shardio ring of this version.
+        """
+        path = os.fspath(path)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise RingNotFoundError(
+                f"ring {path} does not exist: its creator closed or unlinked it (or created it "
+                "with unlink_now=True), or sweep_stale() removed it after the creator died"
+            ) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HEADER_BYTES + _MIN_CAPACITY:
+                raise RingCorruptError(f"{path} is {size} bytes, too small to be a shardio ring")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        magic, version, header_bytes, capacity, _pid = _FIXED.unpack_from(mm, 0)
+        problem = None
+        if magic != _MAGIC:
+            problem = f"bad magic {magic!r}: not a shardio ring (or not initialised yet)"
+        elif version != _VERSION:
+            problem = f"ring format version {version}, this shardio reads {_VERSION}"
+        elif header_bytes != _HEADER_BYTES or capacity % _ALIGN or header_bytes + capacity != size:
+            problem = f"header says {header_bytes}+{capacity} bytes but the file has {size}"
+        if problem is not None:
+            mm.close()
+            raise RingCorruptError(f"{path}: {problem}; create the ring again with Ring.create()")
+        return cls(mm, path, capacity, None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._unlinked:
+            raise UsageError(f"ring {self.path} has no name any more (unlink_now=True or "
+                             "unlink()); only forked children can share it: use the fork context")
+        return (Ring.attach, (self.path,))
+
+    # --- state -------------------------------------------------------------------------------
+    @property
+    def max_message(self) -> int:
+        """Largest payload this ring can carry."""
+        return self.capacity - _RECORD_HEADER
+
+    @property
+    def closed(self) -> bool:
+        """True once either side closed the ring (or this object was closed)."""
+        return self._mm is None or bool(_load_u32(self._mm, _OFF_CLOSED))
+
+    @property
+    def head(self) -> int:
+        """Shared ``head``: stream bytes committed so far."""
+        return _load_u64(self._open(), _OFF_HEAD)
+
+    @property
+    def tail(self) -> int:
+        """Shared ``tail``: stream bytes released so far."""
+        return _load_u64(self._open(), _OFF_TAIL)
+
+    def held(self) -> int:
+        """Number of messages received and not yet released."""
+        return len(self._held)
+
+    def held_bytes(self) -> int:
+        """Payload bytes of the messages received and not yet released."""
+        return self._held_bytes
+
+    def _open(self) -> mmap.mmap:
+        if self._mm is None:
+            raise RingClosedError(f"ring {self.path} was closed by this process")
+        return self._mm
+
+    def _name(self) -> str:
+        return os.path.basename(self.path)
+
+    # --- producer ----------------------------------------------------------------------------
+    def become_producer(self) -> None:
+        """Take over the producer role in this process (a forked child, a restarted worker).
+
+        Reloads the producer's cursor from shared memory and forgets an inherited reservation.
+        """
+        self._open()
+        self._pending = None
+        self._head = _load_u64(self._mm, _OFF_HEAD)
+        self._tail_seen = _load_u64(self._mm, _OFF_TAIL)
+
+    def reset_producer(self) -> None:
+        """Clear what a dead producer may have left set, before starting another producer."""
+        _store_u32(self._open(), _OFF_PRODUCER_WAITING, 0)
+        self.become_producer()
+
+    def reserve(self, nbytes: int, timeout: float | None = None) -> memoryview:
+        """Reserve room for one message; return a writable view of exactly ``nbytes`` bytes.
+
+        The view starts 64-byte aligned.  Fill it, then :meth:`commit` (or :meth:`abort`).
+        Blocks (sleeping, no spinning) while the ring is too full.
+
+        Raises:
+            MessageTooLargeError: ``nbytes`` can never fit; the message names the capacity to use.
+            RingClosedError: the ring was closed.
+            RingTimeoutError: no room within ``timeout`` seconds.
+            UsageError: a reservation is already pending, or ``nbytes`` is negative.
+        """
+        mm = self._open()
+        if self._pending is not None:
+            raise UsageError("reserve() called again before commit(); commit() or abort() the "
+                             "pending reservation first")
+        nbytes = operator.index(nbytes)
+        if nbytes < 0:
+            raise UsageError(f"nbytes must be >= 0, got {nbytes}")
+        size = _record_size(nbytes)
+        cap = self.capacity
+        if size > cap:
+            raise MessageTooLargeError(
+                f"message of {nbytes} bytes exceeds ring capacity {_fmt_bytes(cap)} (at most "
+                f"{cap - _RECORD_HEADER} bytes per message); "
+                f"create the ring with capacity>={size} (ring_bytes) or send smaller messages "
+                "(reduce batch_size)")
+        if _load_u32(mm, _OFF_CLOSED):
+            raise self._closed_for_send()
+        deadline = _deadline(timeout)
+        head = self._head
+        off = head % cap
+        room = cap - off
+        if size > room:
+            # Mark the tail end of the data area as skipped and start over at offset 0.
+            self._wait_space(room, deadline, timeout)
+            _U64.pack_into(mm, _HEADER_BYTES + off, _SKIP)
+            self._publish(head + room)
+            head += room
+            off = 0
+        self._wait_space(size, deadline, timeout)
+        start = _HEADER_BYTES + off + _RECORD_HEADER
+        view = self._rw[start:start + nbytes]
+        self._pending = (head, size, nbytes, view)
+        return view
+
+    def commit(self) -> None:
+        """Publish the reserved message to the consumer.
+
+        Do not write through the reserved view (or arrays made from it) after this.
+
+        Raises:
+            RingClosedError: the ring was closed meanwhile; the message is dropped.
+            UsageError: nothing is reserved.
+        """
+        mm = self._open()
+        if self._pending is None:
+            raise UsageError("commit() without a pending reserve()")
+        head, size, nbytes, _view = self._pending
+        self._pending = None
+        if _load_u32(mm, _OFF_CLOSED):
+            raise self._closed_for_send()
+        _U64.pack_into(mm, _HEADER_BYTES + head % self.capacity, nbytes)
+        self._publish(head + size)
+
+    def abort(self) -> None:
+        """Drop the pending reservation (if any); nothing is published."""
+        self._pending = None
+
+    def send(self, data: Any, timeout: float | None = None) -> None:
+        """Copy one bytes-like object (C-contiguous) into the ring as a message.
+
+        Raises:
+            MessageTooLargeError, RingClosedError, RingTimeoutError: as :meth:`reserve`.
+            UsageError: ``data`` is not a C-contiguous bytes-like object.
+        """
+        try:
+            src = memoryview(data).cast("B")
+        except TypeError as exc:
+            raise UsageError(f"send() needs a C-contiguous bytes-like object, got "
+                             f"{type(data).__name__}: {exc}") from exc
+        with src:
+            view = self.reserve(src.nbytes, timeout)
+            try:
+                view[:] = src
+            except BaseException:
+                self.abort()
+                raise
+            self.commit()
+
+    def _publish(self, head: int) -> None:
+        mm = self._mm
+        self._head = head
+        _store_u64(mm, _OFF_HEAD, head)
+        _fetch_add_u32(mm, _OFF_DATA_SEQ, 1)
+        _fence()
+        if _load_u32(mm, _OFF_CONSUMER_WAITING):
+            _futex_wake(mm, _OFF_DATA_SEQ, 1)
+
+    def _wait_space(self, need: int, deadline: float | None, timeout: float | None) -> None:
+        cap = self.capacity
+        if cap - (self._head - self._tail_seen) >= need:
+            return
+        mm = self._mm
+        self._tail_seen = _load_u64(mm, _OFF_TAIL)
+        if cap - (self._head - self._tail_seen) >= need:
+            return
+        while True:
+            seq = _load_u32(mm, _OFF_SPACE_SEQ)
+            _store_u32(mm, _OFF_PRODUCER_WAITING, 1)
+            _fence()
+            try:
+                if _load_u32(mm, _OFF_CLOSED):
+                    raise self._closed_for_send()
+                self._tail_seen = _load_u64(mm, _OFF_TAIL)
+                if cap - (self._head - self._tail_seen) >= need:
+                    return
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    used = self._head - self._tail_seen
+                    raise RingTimeoutError(
+                        f"ring {self._name()} stayed full for {timeout:g} s ({used} of {cap} "
+                        f"bytes in use, {need} needed): the consumer is not releasing messages; "
+                        "release() them, or pass a larger timeout or capacity (ring_bytes)")
+                _futex_wait(mm, _OFF_SPACE_SEQ, seq, remaining)
+            finally:
+                _store_u32(mm, _OFF_PRODUCER_WAITING, 0)
+
+    def _closed_for_send(self) -> RingClosedError:
+        return RingClosedError(f"ring {self._name()} is closed: the consumer stopped (or either "
+                               "side called close()); stop sending")
+
+    # --- consumer ----------------------------------------------------------------------------
+    def recv(self, timeout: float | None = None) -> Message:
+        """Receive the next message, zero-copy; keep it until :meth:`release`.
+
+        ``timeout=None`` waits forever, ``0`` only takes what is already there.
+
+        Raises:
+            RingClosedError: the ring is closed and every committed message was received.
+            RingTimeoutError: nothing arrived within ``timeout`` seconds.
+            RingCorruptError: the record at the read position is malformed.
+        """
+        mm = self._open()
+        cap = self.capacity
+        deadline: float | None = None
+        while True:
+            rpos = self._rpos
+            if rpos == self._head_seen:
+                self._head_seen = _load_u64(mm, _OFF_HEAD)
+                if rpos == self._head_seen:
+                    if deadline is None:
+                        deadline = _deadline(timeout)
+                    self._wait_data(deadline, timeout)
+            off = rpos % cap
+            (length,) = _U64.unpack_from(mm, _HEADER_BYTES + off)
+            if length == _SKIP:
+                end = rpos + cap - off
+                self._rpos = end
+                self._order.append([end, True])
+                self._advance()
+                continue
+            size = _RECORD_HEADER + ((length + _ALIGN - 1) & ~(_ALIGN - 1))
+            end = rpos + size
+            if off + size > cap or end > self._head_seen:
+                raise RingCorruptError(
+                    f"ring {self._name()}: record at stream position {rpos} claims {length} bytes, "
+                    f"past the committed data (head {self._head_seen}, capacity {cap}); the "
+                    "producer wrote outside its reservation or the file was modified")
+            self._rpos = end
+            start = _HEADER_BYTES + off + _RECORD_HEADER
+            msg = Message(self._ro[start:start + length], rpos, end)
+            entry = [end, False]
+            self._order.append(entry)
+            self._held[rpos] = (msg, entry)
+            self._held_bytes += length
+            return msg
+
+    def release(self, msg: Message) -> None:
+        """Give a received message's space back to the producer; any order is allowed.
+
+        After this the producer may overwrite the payload.  Arrays made with :meth:`array` (and
+        everything viewing them) must be gone by then, which is checked; ``msg.view`` itself and
+        arrays made from it directly are not tracked: stop using them.  (Views are never
+        released by force, so memory stays mapped while anything points into it.)
+
+        After :meth:`close` this does nothing.
+
+        Raises:
+            MessageInUseError: an array from :meth:`array`, or one viewing it, still exists; the
+                message stays held.
+            UsageError: ``msg`` is not held by this ring (already released, or from another ring).
+        """
+        if self._mm is None:  # closed here: the space no longer matters
+            return
+        item = self._held.get(msg.start)
+        if item is None or item[0] is not msg:
+            raise UsageError(f"{msg!r} is not held by ring {self._name()}: released twice, or "
+                             "received from another ring")
+        if msg._arrays is not None and any(ref() is not None for ref in msg._arrays):
+            raise MessageInUseError(
+                f"{msg!r} of ring {self._name()} is still viewed by arrays from ring.array(msg) "
+                "(or arrays/tensors made from them); delete them, or copy the data out, before "
+                "release(): the producer would overwrite them")
+        del self._held[msg.start]
+        self._held_bytes -= msg.nbytes
+        item[1][1] = True
+        self._advance()
+
+    def array(self, msg: Message, *, writable: bool = False) -> np.ndarray:
+        """The payload of ``msg`` as a uint8 numpy array (zero-copy).
+
+        Read-only by default; ``writable=True`` maps the same bytes writable (the consumer owns
+        them until release, and torch wants writable arrays to build tensors without a warning).
+        The array pins the message: :meth:`release` raises MessageInUseError while it, or any
+        array or tensor viewing it, exists.
+        """
+        if writable:
+            start = _HEADER_BYTES + msg.start % self.capacity + _RECORD_HEADER
+            arr = np.frombuffer(self._open(), dtype=np.uint8, count=msg.nbytes, offset=start)
+        else:
+            arr = np.frombuffer(msg.view, dtype=np.uint8)
+        if msg._arrays is None:
+            msg._arrays = []
+        msg._arrays.append(weakref.ref(arr))
+        return arr
+
+    def _advance(self) -> None:
+        order = self._order
+        tail = self._tail
+        while order and order[0][1]:
+            tail = order.popleft()[0]
+        if tail != self._tail:
+            mm = self._mm
+            self._tail = tail
+            _store_u64(mm, _OFF_TAIL, tail)
+            _fetch_add_u32(mm, _OFF_SPACE_SEQ, 1)
+            _fence()
+            if _load_u32(mm, _OFF_PRODUCER_WAITING):
+                _futex_wake(mm, _OFF_SPACE_SEQ, 1)
+
+    def _wait_data(self, deadline: float | None, timeout: float | None) -> None:
+        mm = self._mm
+        while True:
+            seq = _load_u32(mm, _OFF_DATA_SEQ)
+            _store_u32(mm, _OFF_CONSUMER_WAITING, 1)
+            _fence()
+            try:
+                self._head_seen = _load_u64(mm, _OFF_HEAD)
+                if self._head_seen != self._rpos:
+                    return
+                if _load_u32(mm, _OFF_CLOSED):
+                    raise RingClosedError(
+                        f"ring {self._name()} is closed and every message was received: the "
+                        "producer finished (or either side called close())")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise RingTimeoutError(
+                        f"no message on ring {self._name()} within {timeout:g} s: the producer "
+                        "is slow, stalled or dead; check it, or pass a larger timeout")
+                _futex_wait(mm, _OFF_DATA_SEQ, seq, remaining)
+            finally:
+                _store_u32(mm, _OFF_CONSUMER_WAITING, 0)
+
+    # --- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the ring for both sides, wake any sleeper, and unmap it here.
+
+        The peer keeps its mapping: a consumer drains what was committed, then gets
+        RingClosedError.  In the creating process this also unlinks the file.  Idempotent.
+        The mapping is not torn down by force: messages and arrays still viewing it keep it
+        valid, and it is unmapped when the last of them is gone.
+        """
+        mm = self._mm
+        if mm is None:
+            return
+        _store_u32(mm, _OFF_CLOSED, 1)
+        _fetch_add_u32(mm, _OFF_DATA_SEQ, 1)
+        _fetch_add_u32(mm, _OFF_SPACE_SEQ, 1)
+        _futex_wake(mm, _OFF_DATA_SEQ, _WAKE_ALL)
+        _futex_wake(mm, _OFF_SPACE_SEQ, _WAKE_ALL)
+        self.abort()
+        # Drop references rather than mm.close(): np.ndarray(buffer=...) and similar keep a
+        # pointer without a buffer export, and an explicit munmap would leave them dangling.
+        self._mm = None
+        self._rw = self._ro = None  # type: ignore[assignment]
+        self._held.clear()
+        self._order.clear()
+        self._held_bytes = 0
+        if self._creator_pid == os.getpid():
+            self.unlink()
+
+    def unlink(self) -> None:
+        """Remove the backing file's name (idempotent); mappings stay valid."""
+        if not self._unlinked:
+            self._unlinked = True
+            _unlink_quietly(self.path)
+
+    @property
+    def unlinked(self) -> bool:
+        """True once this object unlinked the backing file."""
+        return self._unlinked
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._mm is None else f"head={self._head} rpos={self._rpos}"
+        return f"<Ring {self.path} capacity={self.capacity} {state}>"
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _create_error(exc: OSError, path: str, size: int, directory: str) -> Exception:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+        return ShmSpaceError(
+            f"cannot allocate a ring of {_fmt_bytes(size)} in {directory}: {exc.strerror}; lower "
+            "ring_bytes/num_workers or pass shm_dir=<a file-backed directory>")
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS):
+        return UsageError(f"cannot create ring file {path}: {exc.strerror}; pass "
+                          "shm_dir=<an existing writable directory>")
+    return exc
+
+
+# --- space preflight -------------------------------------------------------------------------
+
+
+def check_shm_space(nbytes: int, directory: str | os.PathLike[str] | None = None, *,
+                    cgroup_root: str = "/sys/fs/cgroup") -> None:
+    """Check that ``nbytes`` of rings fit in ``directory`` before creating them.
+
+    Compares with the directory's free space (``statvfs``) and, when the directory is a memory
+    filesystem (tmpfs such as ``/dev/shm``, whose pages count against the memory cgroup), with
+    what the memory cgroup still allows: the smallest ``limit - usage + reclaimable page cache``
+    of this process's cgroup and its ancestors (v2 ``memory.max``/``memory.current``, v1
+    ``memory.limit_in_bytes``/``memory.usage_in_bytes``).
+
+    Args:
+        nbytes: total bytes about to be allocated.
+        directory: default ``/dev/shm``.
+        cgroup_root: where the cgroup filesystem is mounted (tests point it at a fake tree).
+
+    Raises:
+        ShmSpaceError: it does not fit; the message names the options to change.
+        UsageError: the directory does not exist.
+    """
+    directory = DEFAULT_SHM_DIR if directory is None else os.fspath(directory)
+    fix = "lower ring_bytes/num_workers or pass shm_dir=<a file-backed directory>"
+    try:
+        st = os.statvfs(directory)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise UsageError(f"shared-memory directory {directory} does not exist; pass "
+                         "shm_dir=<an existing writable directory>") from exc
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise ShmSpaceError(f"rings need {_fmt_bytes(nbytes)} but {directory} has "
+                            f"{_fmt_bytes(free)} free; {fix}")
+    if _fs_type(directory) not in _MEMORY_FS:
+        return
+    limit = _cgroup_headroom(cgroup_root)
+    if limit is not None and nbytes > limit[0]:
+        raise ShmSpaceError(
+            f"rings need {_fmt_bytes(nbytes)} but the memory cgroup allows only "
+            f"{_fmt_bytes(max(limit[0], 0))} more ({limit[1]}), and pages in {directory} count "
+            f"against it; {fix}")
+
+
+def _fs_type(directory: str) -> str:
+    """Filesystem type of the mount holding ``directory`` ("tmpfs" when it cannot be told)."""
+    target = os.path.realpath(directory)
+    best, fstype = -1, "tmpfs"
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) < 5 or not right:
+                    continue
+                mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= best:
+                    best, fstype = len(mnt), right.split()[0]
+    except OSError:
+        pass
+    return fstype
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _reclaimable(stat_path: str) -> int:
+    keys = {"inactive_file", "active_file", "total_inactive_file", "total_active_file"}
+    found: dict[str, int] = {}
+    try:
+        with open(stat_path, encoding="ascii") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in keys and value.strip().isdigit():
+                    found[key] = int(value)
+    except (OSError, UnicodeDecodeError):
+        return 0
+    if "total_inactive_file" in found or "total_active_file" in found:  # v1, hierarchical
+        return found.get("total_inactive_file", 0) + found.get("total_active_file", 0)
+    return found.get("inactive_file", 0) + found.get("active_file", 0)
+
+
+def _cgroup_headroom(root: str) -> tuple[int, str] | None:
+    """(bytes the memory cgroup still allows, which file says so), or None when unlimited."""
+    v2_path, v1_path = "/", "/"
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) != 3:
+                    continue
+                if parts[0] == "0" and parts[1] == "":
+                    v2_path = parts[2] or "/"
+                elif "memory" in parts[1].split(","):
+                    v1_path = parts[2] or "/"
+    except OSError:
+        pass
+    best: tuple[int, str] | None = None
+    candidates = [(root, v2_path, "memory.max", "memory.current"),
+                  (os.path.join(root, "memory"), v1_path, "memory.limit_in_bytes",
+                   "memory.usage_in_bytes")]
+    for base, rel, limit_name, usage_name in candidates:
+        rel = rel.strip("/")
+        while True:
+            d = os.path.join(base, rel) if rel else base
+            limit = _read_int(os.path.join(d, limit_name))
+            usage = _read_int(os.path.join(d, usage_name))
+            if limit is not None and usage is not None and limit < 1 << 60:
+                room = limit - usage + _reclaimable(os.path.join(d, "memory.stat"))
+                if best is None or room < best[0]:
+                    best = (room, f"{os.path.join(d, limit_name)} = {_fmt_bytes(limit)}, "
+                                  f"{_fmt_bytes(usage)} in use")
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+    return best
+
+
+# --- stale segments --------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
+def _process_start(pid: int) -> float | None:
+    """Wall-clock start time of ``pid`` from /proc (None when unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+        with open("/proc/stat", encoding="ascii") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        ticks = int(stat.rpartition(")")[2].split()[19])
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+
+
+def sweep_stale(directory: str | os.PathLike[str] | None = None) -> list[str]:
+    """Remove ring files whose creating process no longer exists; return their paths.
+
+    Call it at start-up: it cleans up after a creator that was SIGKILLed (or crashed) before it
+    could unlink.  A file is kept while its creator pid is alive, unless that pid now belongs to
+    a process started after the file was last written (the pid was reused).  Other users' files
+    that cannot be removed are skipped.
+    """
+    directory = DEFAULT_SHM_DIR if directory is None else os.fspath(directory)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = _NAME_RE.fullmatch(name)
+        if m is None:
+            continue
+        path = os.path.join(directory, name)
+        pid = int(m.group(1))
+        if _pid_alive(pid):
+            started = _process_start(pid)
+            try:
+                mtime = os.stat(path).st_mtime
+            except FileNotFoundError:
+                continue
+            # /proc/stat btime has 1 s resolution: only a clear gap proves pid reuse.
+            if started is None or mtime >= started - 2.0:
+                continue
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, PermissionError):
+            continue
+        removed.append(path)
+    return removed
