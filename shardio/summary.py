@@ -56,10 +56,10 @@ def format_description(d: dict[str, Any], listing: bool = True) -> str:
         f"dataset     {d['path']}  (shardio format v{d['version']}, {d['created_by']})",
         f"shards      {d['shards']} x {d['shard_format']}, {_human(d['bytes'])}",
         f"samples     {d['samples']}",
-        f"fields      " + ", ".join(f"{k} ({v})" for k, v in d["fields"].items()),
+        "fields      " + ", ".join(f"{k} ({v})" for k, v in d["fields"].items()),
         f"checksums   sample {d['checksum']['sample']}, shard {d['checksum']['shard']}",
         f"compression {comp_text}",
-        f"labels      " + ("none" if labels is None else
+        "labels      " + ("none" if labels is None else
                           f"{len(labels)} classes: " + ", ".join(labels[:8])
                           + (", ..." if len(labels) > 8 else "")),
     ]

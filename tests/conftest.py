@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,23 @@ def flip_bit(path: str | os.PathLike[str], offset: int, bit: int = 0) -> None:
 def truncate(path: str | os.PathLike[str], size: int) -> None:
     """Cut a file to ``size`` bytes."""
     os.truncate(path, size)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB tmpfs (a full disk, or a small /dev/shm as in containers), mounted for the
+    test and always unmounted after it; skipped where mounting is not permitted."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)

@@ -749,26 +749,6 @@ def test_output_not_empty(cli: Cli, tmp_path: Path) -> None:
     assert os.listdir(out) == ["precious.dat"]
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MiB tmpfs, mounted for the test and always unmounted after it."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs: {exc}")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        rc = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode
-        if rc != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
-
-
 @pytest.mark.parametrize("workers", [1, 2])
 def test_disk_full(small_tmpfs: Path, tmp_path: Path, workers: int) -> None:
     src = random_tree(tmp_path / "src", 40, 90_000, 110_000)  # ~4 MB into 2 MiB

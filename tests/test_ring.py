@@ -15,7 +15,6 @@ import os
 import pickle
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -671,25 +670,6 @@ def test_check_shm_space(tmp_path: Path) -> None:
     (v1 / "memory.usage_in_bytes").write_text("0\n")
     with pytest.raises(ShmSpaceError, match="memory.limit_in_bytes"):
         check_shm_space(40 << 20, SHM, cgroup_root=str(tmp_path / "cg1"))
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Any:
-    """A 2 MiB tmpfs standing in for a small /dev/shm (as in containers), always unmounted."""
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs: {exc}")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
 def test_small_shm_directory_fails_at_create_with_the_fix(small_tmpfs: Path) -> None:
