@@ -36,11 +36,13 @@ __all__ = [
     "read_error",
     "read_header",
     "read_tree",
+    "write_times",
 ]
 
 KIND_BATCH = 1
 KIND_ERROR = 2
 _HEAD = struct.Struct("<IIqII6d")
+_TIMES = struct.Struct("<6d")
 ALIGN = 64
 STAGES = ("read", "decode", "transform", "collate", "write", "total")
 
@@ -111,30 +113,84 @@ def _copy_from(src: np.ndarray) -> Callable[[np.ndarray], None]:
     return fill
 
 
+def _stack_into(arrs: list[np.ndarray]) -> Callable[[np.ndarray], None]:
+    def fill(dst: np.ndarray) -> None:
+        for i, a in enumerate(arrs):
+            dst[i] = a
+
+    return fill
+
+
+# The planners below recurse through module-level functions over a plain accumulator, never
+# through a recursive closure: such a closure is a reference cycle, and through ``fills`` it would
+# keep every sample array of the batch alive until the cyclic GC happened to run (workers grew by
+# about one batch per step until a full collection).
+class _Acc:
+    __slots__ = ("fills", "shapes")
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[np.dtype, tuple[int, ...]]] = []
+        self.fills: list[Callable[[np.ndarray], None]] = []
+
+    def add(self, dtype: np.dtype, shape: tuple[int, ...], fill: Callable[[np.ndarray], None],
+            tensor: bool) -> _Arr:
+        self.shapes.append((dtype, shape))
+        self.fills.append(fill)
+        return _Arr(len(self.shapes) - 1, dtype.str, shape, tensor)
+
+    def plan(self, skeleton: Any) -> Plan:
+        return Plan(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), self.shapes,
+                    self.fills)
+
+
+def _leaf(x: Any, acc: _Acc) -> Any:
+    tensor = _is_tensor(x)
+    if tensor or isinstance(x, np.ndarray):
+        arr = np.ascontiguousarray(x.detach().cpu().numpy() if tensor else x)
+        if arr.dtype.hasobject:
+            return arr
+        return acc.add(arr.dtype, arr.shape, _copy_from(arr), tensor)
+    if isinstance(x, dict):
+        return {k: _leaf(v, acc) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_leaf(v, acc) for v in x]
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_leaf(v, acc) for v in x)
+    return x
+
+
 def plan_tree(tree: Any) -> Plan:
     """Plan a message for a tree built by the user's collate function."""
-    shapes: list[tuple[np.dtype, tuple[int, ...]]] = []
-    fills: list[Callable[[np.ndarray], None]] = []
+    acc = _Acc()
+    return acc.plan(_leaf(tree, acc))
 
-    def leaf(x: Any) -> Any:
-        tensor = _is_tensor(x)
-        if tensor or isinstance(x, np.ndarray):
-            arr = np.ascontiguousarray(x.detach().cpu().numpy() if tensor else x)
-            if arr.dtype.hasobject:
-                return arr
-            shapes.append((arr.dtype, arr.shape))
-            fills.append(_copy_from(arr))
-            return _Arr(len(shapes) - 1, arr.dtype.str, arr.shape, tensor)
-        if isinstance(x, dict):
-            return {k: leaf(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [leaf(v) for v in x]
-        if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return tuple(leaf(v) for v in x)
-        return x
 
-    skeleton = leaf(tree)
-    return Plan(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), shapes, fills)
+def _col(items: Sequence[Any], acc: _Acc) -> Any:
+    first = items[0]
+    if _is_tensor(first) or isinstance(first, np.ndarray):
+        arrs = [x.detach().cpu().numpy() if _is_tensor(x) else x for x in items]
+        a0 = arrs[0]
+        if not a0.dtype.hasobject and all(
+            a.shape == a0.shape and a.dtype == a0.dtype for a in arrs
+        ):
+            return acc.add(a0.dtype, (len(arrs), *a0.shape), _stack_into(arrs), True)
+        return list(items)
+    if isinstance(first, (bool, np.bool_, int, np.integer)):
+        dtype = np.bool_ if isinstance(first, (bool, np.bool_)) else np.int64
+        try:
+            arr = np.asarray(items, dtype=dtype)
+        except (OverflowError, ValueError, TypeError):
+            return list(items)
+        return acc.add(arr.dtype, arr.shape, _copy_from(arr), True)
+    if isinstance(first, (float, np.floating)):
+        arr = np.asarray(items, dtype=np.float64)
+        return acc.add(arr.dtype, arr.shape, _copy_from(arr), True)
+    if isinstance(first, dict):
+        return {k: _col([d[k] for d in items], acc) for k in first}
+    if isinstance(first, (list, tuple)) and all(len(x) == len(first) for x in items):
+        cols = [_col([x[i] for x in items], acc) for i in range(len(first))]
+        return tuple(cols) if isinstance(first, tuple) else cols
+    return list(items)
 
 
 def plan_collate(samples: Sequence[Any]) -> Plan:
@@ -144,48 +200,13 @@ def plan_collate(samples: Sequence[Any]) -> Plan:
     directly into the message), numbers become int64/float64 tensors, dicts and sequences are
     collated field by field, strings and bytes become lists.
     """
-    shapes: list[tuple[np.dtype, tuple[int, ...]]] = []
-    fills: list[Callable[[np.ndarray], None]] = []
+    acc = _Acc()
+    return acc.plan(_col(list(samples), acc))
 
-    def add(dtype: np.dtype, shape: tuple[int, ...], fill: Callable[[np.ndarray], None]) -> _Arr:
-        shapes.append((dtype, shape))
-        fills.append(fill)
-        return _Arr(len(shapes) - 1, dtype.str, shape, True)
 
-    def col(items: Sequence[Any]) -> Any:
-        first = items[0]
-        if _is_tensor(first) or isinstance(first, np.ndarray):
-            arrs = [x.detach().cpu().numpy() if _is_tensor(x) else x for x in items]
-            a0 = arrs[0]
-            if not a0.dtype.hasobject and all(
-                a.shape == a0.shape and a.dtype == a0.dtype for a in arrs
-            ):
-                def fill(dst: np.ndarray, arrs: list[np.ndarray] = arrs) -> None:
-                    for i, a in enumerate(arrs):
-                        dst[i] = a
-
-                return add(a0.dtype, (len(arrs), *a0.shape), fill)
-            return list(items)
-        if isinstance(first, (bool, np.bool_, int, np.integer)):
-            dtype = np.bool_ if isinstance(first, (bool, np.bool_)) else np.int64
-            try:
-                arr = np.asarray(items, dtype=dtype)
-            except (OverflowError, ValueError, TypeError):
-                return list(items)
-            return add(arr.dtype, arr.shape, _copy_from(arr))
-        if isinstance(first, (float, np.floating)):
-            arr = np.asarray(items, dtype=np.float64)
-            return add(arr.dtype, arr.shape, _copy_from(arr))
-        if isinstance(first, dict):
-            return {k: col([d[k] for d in items]) for k in first}
-        if isinstance(first, (list, tuple)) and not isinstance(first, (str, bytes)):
-            if all(len(x) == len(first) for x in items):
-                cols = [col([x[i] for x in items]) for i in range(len(first))]
-                return tuple(cols) if isinstance(first, tuple) else cols
-        return list(items)
-
-    skeleton = col(list(samples))
-    return Plan(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), shapes, fills)
+def write_times(buf: Any, times: Sequence[float]) -> None:
+    """Overwrite a written message's stage seconds (the write stage is known only after it)."""
+    _TIMES.pack_into(buf, _HEAD.size - _TIMES.size, *_times(times))
 
 
 def read_header(buf: Any) -> tuple[int, int, dict[str, float], int]:
@@ -226,17 +247,39 @@ def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
 
 
 def error_message(exc: BaseException, tb: str) -> Plan:
-    """A message carrying a worker's exception (pickled when possible) and its traceback."""
+    """A message carrying a worker's exception and its traceback.
+
+    The exception travels pickled on its own, next to its type name and text, so that one which
+    pickles but does not unpickle (a custom ``__init__`` with required arguments, a class main
+    cannot import) still arrives, as a RuntimeError naming it (see :func:`read_error`).
+    """
     try:
-        payload = pickle.dumps((exc, tb))
-    except Exception:
-        payload = pickle.dumps((RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the error
+        text = "<unprintable>"
+    try:
+        pickled: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - unpicklable exception: type and text still travel
+        pickled = None
+    cls = type(exc)
+    payload = pickle.dumps({"exc": pickled, "type": f"{cls.__module__}.{cls.__qualname__}",
+                            "text": text, "tb": tb}, protocol=pickle.HIGHEST_PROTOCOL)
     arr = np.frombuffer(payload, dtype=np.uint8)
     return Plan(pickle.dumps(_Arr(0, arr.dtype.str, arr.shape, False)), [(arr.dtype, arr.shape)],
                 [_copy_from(arr)])
 
 
 def read_error(buf: Any) -> tuple[BaseException, str]:
-    """The ``(exception, traceback text)`` carried by an error message."""
+    """The ``(exception, traceback text)`` carried by an error message; an exception that cannot
+    be rebuilt here becomes a RuntimeError with its type name and text."""
     payload = read_tree(np.frombuffer(bytes(buf), dtype=np.uint8))
-    return pickle.loads(payload.tobytes())  # type: ignore[no-any-return]
+    info = pickle.loads(payload.tobytes())
+    exc: BaseException | None = None
+    if info["exc"] is not None:
+        try:
+            exc = pickle.loads(info["exc"])
+        except Exception:  # noqa: BLE001 - e.g. __init__ needs arguments pickle does not pass
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(f"{info['type']}: {info['text']}")
+    return exc, info["tb"]

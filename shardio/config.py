@@ -156,7 +156,8 @@ class LoaderOptions:
             where ``/dev/shm`` is small.
         cpus: CPUs to pin workers to, one each, round-robin (e.g. the cores of one NUMA node).
         poll_interval: seconds between liveness checks of a worker main is waiting on; bounds the
-            time to notice a dead worker.
+            time to notice a dead worker, and how long a worker whose ring stays full waits before
+            it sends the batch main is waiting for through its overflow pipe instead.
         max_restarts: worker deaths tolerated per worker before WorkerCrashedError.
         max_held_fraction: when batches the user still holds occupy more than this fraction of a
             ring, new batches are copied out of the ring instead (with a warning).

@@ -4,8 +4,9 @@ Workers (:mod:`shardio.pool`) read, decode, transform and collate whole batches 
 into per-worker shared-memory rings; the training loop receives tensors that view the ring
 (zero-copy).  A ring region is reused only after every tensor of its batch is garbage: each
 batch's arrays hang off one *lease* object whose finalizer queues the region for release.  If
-the user keeps so many batches that a ring would fill, new batches are copied out of the ring
-(one warning) instead of deadlocking or overwriting.
+the user keeps so many batches that a ring would fill, new batches are copied out of the ring,
+or reach main through the worker's spill pipe when the kept batches pin the whole ring (see
+:mod:`shardio.pool`), with one warning, instead of deadlocking or overwriting.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from ._tree import plan_collate, plan_tree, read_header, read_tree
 from .config import LoaderOptions
 from .dataset import ShardDataset, _ids_at
-from .errors import UsageError
+from .errors import UsageError, WorkerCrashedError
 from .order import EpochOrder, RankPlan
 from .pool import PoolOptions, WorkerPool
 from .stats import LoaderStats
@@ -49,9 +50,10 @@ class _Job:
         self.cursor = 0
 
     def begin(self, spec: dict[str, Any]) -> None:
+        # Everything comes from ``spec``: the dataset's epoch and cursor live in memory shared
+        # with main, and a worker that starts an epoch late (a restart) must not write them.
         ds = self.dataset
         o = ds.options
-        ds.epoch = spec["epoch"]
         self.cursor = spec["cursor"]
         self.order = EpochOrder(np.diff(ds.reader.offsets), seed=o.seed, epoch=spec["epoch"],
                                 shuffle=o.shuffle, shuffle_block=o.shuffle_block)
@@ -165,13 +167,14 @@ class ShardLoader:
     def _ensure_pool(self) -> WorkerPool:
         if self._pool is None:
             o = self.options
-            self._pool = WorkerPool(
+            pool = WorkerPool(
                 _Job(self.dataset, self.collate_fn),
                 PoolOptions(num_workers=self.num_workers, ring_bytes=o.ring_bytes,
                             shm_dir=o.shm_dir, cpus=o.cpus, poll_interval=o.poll_interval,
                             max_restarts=o.max_restarts),
             )
-            self._pool.start()
+            pool.start()  # closes itself if it fails: keep no half-started pool around
+            self._pool = pool
         return self._pool
 
     def _drain_releases(self) -> None:
@@ -180,8 +183,8 @@ class ShardLoader:
             ring.release(msg)
 
     def _materialize(self, ring: Any, msg: Any) -> Any:
-        held_limit = ring.capacity * self.options.max_held_fraction
-        if ring.held_bytes() > held_limit:
+        spilled = ring is None  # came through the worker's spill pipe: already a private copy
+        if spilled or ring.held_bytes() > ring.capacity * self.options.max_held_fraction:
             if not self._warned_copy:
                 self._warned_copy = True
                 warnings.warn(
@@ -190,6 +193,8 @@ class ShardLoader:
                     "Drop references to old batches, or raise ring_bytes", RuntimeWarning,
                     stacklevel=3)
             self._stats.copied_out += 1
+            if spilled:
+                return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy)
             buf = np.frombuffer(bytearray(msg.view), dtype=np.uint8)
             ring.release(msg)
             return read_tree(buf, torch.from_numpy)
@@ -207,6 +212,7 @@ class ShardLoader:
                 "rank": topo.rank, "batch_size": self.batch_size}
         self._delivered = 0
         self._finished = False
+        self._stats.begin_epoch()
         self._stats.restarts = pool.restarts
         it = pool.run(spec, steps)
         while True:
@@ -216,6 +222,11 @@ class ShardLoader:
                 _step, ring, msg = next(it)
             except StopIteration:
                 break
+            except WorkerCrashedError:
+                # The pool lost a worker for good: a later iteration starts a fresh one.
+                self._stats.restarts = pool.restarts
+                self.close()
+                raise
             stages = read_header(msg.view)[2]
             batch = self._materialize(ring, msg)
             del msg
@@ -234,8 +245,12 @@ class ShardLoader:
         """Resume point after the batches handed out so far (prefetched ones do not count)."""
         ds = self.dataset
         if self._finished:
-            return ds.state_dict(batches=0) | {"cursor": ds.num_samples}
-        return ds.state_dict(batches=self._delivered) | {"batch_size": self.batch_size}
+            cursor = ds.num_samples
+        else:
+            # This loader's batch size, not the dataset's ReadOptions.batch_size: the batches
+            # counted here were cut by the loader.
+            cursor = ds._cursor + self._plan().consumed(self._delivered)
+        return ds.state_dict(batches=0) | {"cursor": cursor, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume exactly after what :meth:`state_dict` recorded (world size, worker count and

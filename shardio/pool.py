@@ -1,9 +1,10 @@
 """Persistent worker processes that produce batches straight into shared-memory rings.
 
 Protocol
-    Each worker owns one SPSC :class:`~shardio.ring.Ring` (worker produces, main consumes) and
-    one control pipe (main → worker, control only; batch data never crosses it).  Commands are
-    small tuples tagged with :class:`Cmd`:
+    Each worker owns one SPSC :class:`~shardio.ring.Ring` (worker produces, main consumes), one
+    control pipe (main → worker, commands only) and one spill pipe (worker → main, used only when
+    the ring cannot take a message, see *Spill*).  Commands are small tuples tagged with
+    :class:`Cmd`:
 
     * ``(Cmd.EPOCH, generation, spec, steps)``: call ``job.begin(spec)`` then, for each step,
       ``job.produce(step)`` and write the resulting message into the ring.
@@ -11,19 +12,34 @@ Protocol
 
     Messages carry the step number and the generation (``_tree`` header); main drops messages of
     an older generation, and a worker abandons an epoch as soon as the shared generation counter
-    moves on (checked before every step), so breaking out of an epoch costs at most one batch.
+    moves on (checked before every step and while it waits for ring space), so breaking out of an
+    epoch costs at most one batch.
 
     Global step ``t`` of an epoch is produced by worker ``(t - first) % W``; main consumes steps in
     order, so batches arrive in the deterministic order the dataset contract defines.
 
+Spill
+    Ring space comes back only in stream order (``tail`` moves over the released prefix), so a
+    batch the training loop keeps pins its ring: keep enough of them and the worker finds the
+    ring full while main waits for the very batch the worker cannot write.  To break that
+    deadlock main publishes, in the shared array ``want``, the step it is waiting for from each
+    worker.  A worker whose ring stays full for ``poll_interval`` while main wants the step it
+    holds sends that message through its spill pipe instead (a copy), and from then on spills
+    without waiting whenever the ring is full and main wants the step, until the ring takes a
+    message again.  Main waits on the pipe while a worker spills and on the ring otherwise, and
+    looks at the other channel after every wait; steps keep their order because main stashes a
+    message that overtook an earlier one through the other channel.  Error messages too large
+    for the ring always go through the pipe.
+
 Failure handling
     A worker exception travels back as a :data:`~shardio._tree.KIND_ERROR` message and is raised
     in main as :class:`~shardio.errors.WorkerError` with the worker's traceback.  A worker that dies
-    (SIGKILL, segfault) is noticed within ``poll_interval`` seconds while main waits on its ring;
-    committed messages still in its ring stay valid, and a fresh worker (same ring) redoes the
-    steps that were never committed.  After ``max_restarts`` deaths, :class:`WorkerCrashedError`.
-    Workers get ``PR_SET_PDEATHSIG``: if main dies, so do they, and the rings (unlinked at creation)
-    vanish with the last mapping.
+    (SIGKILL, segfault) is noticed within ``poll_interval`` seconds while main waits on it (or when
+    the next epoch starts); committed messages still in its ring or pipe stay valid, and a fresh
+    worker (same ring) redoes the steps that were never committed.  After ``max_restarts`` deaths,
+    :class:`WorkerCrashedError`.  Workers get ``PR_SET_PDEATHSIG``: if main dies, so do they, and the
+    rings (unlinked at creation) vanish with the last mapping.  A worker closes the inherited main
+    ends of every pipe, so that closing the pool (main's ends) unblocks a worker stuck on one.
 
 Worker states: STARTING → IDLE ⇄ PRODUCING → STOPPED | DEAD (→ restarted as a new STARTING).
 """
@@ -38,19 +54,29 @@ import signal
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
 
-from ._tree import KIND_ERROR, Plan, error_message, read_error
+from ._tree import (
+    KIND_BATCH,
+    KIND_ERROR,
+    Plan,
+    error_message,
+    read_error,
+    read_header,
+    write_times,
+)
 from .errors import RingClosedError, RingTimeoutError, WorkerCrashedError, WorkerError
 from .ring import Message, Ring, check_shm_space
 
-__all__ = ["BatchJob", "Cmd", "PoolOptions", "WorkerPool"]
+__all__ = ["BatchJob", "Cmd", "PoolOptions", "Sent", "SpilledMessage", "WorkerPool"]
 
 log = logging.getLogger("shardio.pool")
+
+# How often a spilling worker whose ring is full looks whether main now wants its step.
+_SPILL_SLICE = 0.01
 
 
 class Cmd(IntEnum):
@@ -79,6 +105,28 @@ class PoolOptions:
     join_timeout: float = 5.0
 
 
+class SpilledMessage:
+    """A message that came through a worker's spill pipe: private (writable) memory of main,
+    not part of any ring, so nothing to release.
+
+    Attributes:
+        view: writable memoryview of the message bytes.
+    """
+
+    __slots__ = ("view",)
+
+    def __init__(self, data: bytes) -> None:
+        self.view = memoryview(bytearray(data))
+
+
+class Sent(IntEnum):
+    """Outcome of a worker's attempt to deliver one message."""
+
+    DELIVERED = 1  # in the ring or the spill pipe
+    ABANDONED = 2  # the epoch moved on (new generation): drop the rest of it
+    CLOSED = 3  # the pool closed the ring or the pipe: exit
+
+
 def _set_pdeathsig() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -87,11 +135,91 @@ def _set_pdeathsig() -> None:
         pass
 
 
-def _worker_main(job: BatchJob, ring: Ring, conn: Any, gen: Any, index: int,
-                 cpus: Sequence[int] | None, parent: int) -> None:
+class _Output:
+    """Worker side of one worker's ring and spill pipe (see *Spill* in the module docstring)."""
+
+    def __init__(self, ring: Ring, data: Any, gen: Any, want: Any, index: int,
+                 poll: float) -> None:
+        self.ring, self.data, self.gen, self.want = ring, data, gen, want
+        self.index, self.poll = index, poll
+        self.spilling = False
+
+    def deliver(self, plan: Plan, step: int, times: list[float], generation: int,
+                kind: int = KIND_BATCH) -> Sent:
+        """Write one message to the ring (or the spill pipe).
+
+        Raises:
+            MessageTooLargeError: a batch can never fit the ring.
+        """
+        nbytes = plan.nbytes
+        if kind == KIND_ERROR and nbytes > self.ring.max_message:
+            return self._spill(plan, step, times, generation, kind)
+        first = True
+        while True:
+            if self.gen.value != generation:
+                return Sent.ABANDONED
+            if self.spilling:
+                timeout = 0.0 if first else _SPILL_SLICE
+            else:
+                timeout = self.poll
+            first = False
+            try:
+                buf = self.ring.reserve(nbytes, timeout=timeout)
+            except RingTimeoutError:
+                # Full ring: spill only if main is blocked on exactly this message (a deadlock
+                # otherwise); if main is merely busy, it will release space: keep waiting.
+                if self.want[self.index] == step and self.gen.value == generation:
+                    self.spilling = True
+                    return self._spill(plan, step, times, generation, kind)
+                continue
+            except RingClosedError:
+                return Sent.CLOSED
+            try:
+                _write(plan, buf, step, times, kind, generation)
+            except BaseException:
+                self.ring.abort()
+                raise
+            del buf
+            try:
+                self.ring.commit()
+            except RingClosedError:
+                return Sent.CLOSED
+            self.spilling = False
+            return Sent.DELIVERED
+
+    def _spill(self, plan: Plan, step: int, times: list[float], generation: int,
+               kind: int) -> Sent:
+        buf = bytearray(plan.nbytes)
+        _write(plan, memoryview(buf), step, times, kind, generation)
+        try:
+            self.data.send_bytes(buf)
+        except OSError:  # main closed its end: the pool is closing
+            return Sent.CLOSED
+        return Sent.DELIVERED
+
+
+def _write(plan: Plan, buf: memoryview, step: int, times: list[float], kind: int,
+           generation: int) -> None:
+    """Write the message and record the write stage (batch messages carry stage seconds)."""
+    t0 = time.perf_counter()
+    plan.write(buf, step, times, kind=kind, generation=generation)
+    if times:
+        done = list(times)
+        done[4] = time.perf_counter() - t0
+        done[5] += done[4]
+        write_times(buf, done)
+
+
+def _worker_main(job: BatchJob, ring: Ring, conn: Any, data: Any, gen: Any, want: Any,
+                 index: int, cpus: Sequence[int] | None, parent: int, poll: float,
+                 main_ends: Sequence[Any]) -> None:
     _set_pdeathsig()
     if os.getppid() != parent:  # main died before prctl took effect
         os._exit(1)
+    # Main's ends of the pipes (this worker's and its siblings') came along with fork; a copy held
+    # here would keep a pipe open after main closes it, and a send on it could then block forever.
+    for c in main_ends:
+        c.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is main's to handle
     if cpus:
         try:
@@ -99,6 +227,7 @@ def _worker_main(job: BatchJob, ring: Ring, conn: Any, gen: Any, index: int,
         except OSError as exc:
             log.warning("worker %d: cannot pin to CPU %s: %s", index, cpus[index % len(cpus)], exc)
     ring.become_producer()
+    out = _Output(ring, data, gen, want, index, poll)
     while True:
         try:
             cmd = conn.recv()
@@ -107,26 +236,22 @@ def _worker_main(job: BatchJob, ring: Ring, conn: Any, gen: Any, index: int,
         if cmd[0] == Cmd.STOP:
             return
         _, generation, spec, steps = cmd
+        step = steps[0] if len(steps) else -1
         try:
             job.begin(spec)
             for step in steps:
                 if gen.value != generation:
                     break
                 plan, times = job.produce(step)
-                buf = ring.reserve(plan.nbytes)
-                plan.write(buf, step, times, generation=generation)
-                del buf
-                ring.commit()
-        except RingClosedError:
-            return
+                sent = out.deliver(plan, step, times, generation)
+                if sent == Sent.CLOSED:
+                    return
+                if sent == Sent.ABANDONED:
+                    break
         except BaseException as exc:  # noqa: BLE001 - everything goes back to main
+            ring.abort()
             plan = error_message(exc, traceback.format_exc())
-            try:
-                buf = ring.reserve(plan.nbytes)
-                plan.write(buf, -1, [], kind=KIND_ERROR, generation=generation)
-                del buf
-                ring.commit()
-            except RingClosedError:
+            if out.deliver(plan, step, [], generation, kind=KIND_ERROR) == Sent.CLOSED:
                 return
 
 
@@ -135,9 +260,12 @@ class _Worker:
     index: int
     ring: Ring
     proc: Any = None
-    conn: Any = None
+    conn: Any = None  # control pipe, main's (sending) end
+    data: Any = None  # spill pipe, main's (receiving) end
     restarts: int = 0
-    pending: deque[Message] = field(default_factory=deque)
+    spilling: bool = False  # the last message came through the spill pipe
+    # Messages of the current epoch received ahead of the step main waits for, by step.
+    early: dict[int, tuple[Ring | None, Any]] = field(default_factory=dict)
 
 
 class WorkerPool:
@@ -156,6 +284,7 @@ class WorkerPool:
         self.options = options
         self._ctx = mp.get_context("fork")
         self._gen = self._ctx.RawValue("q", 0)
+        self._want = self._ctx.RawArray("q", [-1] * options.num_workers)
         self._workers: list[_Worker] = []
         self._closed = False
         self.restarts = 0
@@ -175,15 +304,27 @@ class WorkerPool:
             raise
 
     def _spawn(self, w: _Worker) -> None:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=False)
+        ctl_recv, ctl_send = self._ctx.Pipe(duplex=False)
+        data_recv, data_send = self._ctx.Pipe(duplex=False)
+        main_ends = [ctl_send, data_recv] + [
+            c for x in self._workers if x is not w for c in (x.conn, x.data) if c is not None
+        ]
         proc = self._ctx.Process(
             target=_worker_main, name=f"shardio-worker-{w.index}", daemon=True,
-            args=(self.job, w.ring, parent_conn, self._gen, w.index, self.options.cpus,
-                  os.getpid()),
+            args=(self.job, w.ring, ctl_recv, data_send, self._gen, self._want, w.index,
+                  self.options.cpus, os.getpid(), self.options.poll_interval, main_ends),
         )
-        proc.start()
-        parent_conn.close()
-        w.proc, w.conn = proc, child_conn
+        try:
+            proc.start()
+        except BaseException:
+            ctl_send.close()
+            data_recv.close()
+            raise
+        finally:
+            ctl_recv.close()
+            data_send.close()
+        w.proc, w.conn, w.data = proc, ctl_send, data_recv
+        w.spilling = False
 
     @property
     def num_workers(self) -> int:
@@ -193,10 +334,16 @@ class WorkerPool:
         return [w.proc.pid for w in self._workers if w.proc is not None]
 
     # --- epochs ------------------------------------------------------------------------------
-    def run(self, spec: Any, steps: Sequence[int]) -> Iterator[tuple[int, Ring, Message]]:
+    def run(self, spec: Any, steps: Sequence[int]
+            ) -> Iterator[tuple[int, Ring | None, Message | SpilledMessage]]:
         """Produce ``steps`` (in order); yield ``(step, ring, message)`` for each.
 
-        The caller releases every message with ``ring.release(message)`` once done with it.
+        The caller releases every ring message with ``ring.release(message)`` once done with it;
+        a :class:`SpilledMessage` (``ring`` None) is private memory and needs no release.
+
+        Raises:
+            WorkerError: a worker raised (``__cause__`` is its exception).
+            WorkerCrashedError: a worker died more than ``max_restarts`` times.
         """
         if self._closed:
             raise WorkerError("the worker pool is closed; create a new loader")
@@ -205,53 +352,100 @@ class WorkerPool:
         W = len(self._workers)
         assigned = [list(steps[i::W]) for i in range(W)]
         for w, mine in zip(self._workers, assigned):
-            self._drop_stale(w, generation)
-            w.conn.send((Cmd.EPOCH, generation, spec, mine))
+            self._drop_early(w)
+            self._want[w.index] = -1
+            if w.proc.exitcode is not None:  # died while idle
+                self._restart(w, generation, spec, mine)
+                continue
+            try:
+                w.conn.send((Cmd.EPOCH, generation, spec, mine))
+            except OSError:  # its end is gone: it is dying
+                self._restart(w, generation, spec, mine)
         done = [0] * W
         for k, step in enumerate(steps):
             w = self._workers[k % W]
-            msg = self._next(w, generation, spec, assigned[k % W][done[k % W]:])
+            ring, msg = self._next(w, generation, spec, assigned[k % W][done[k % W]:])
             done[k % W] += 1
-            yield step, w.ring, msg
+            yield step, ring, msg
 
-    def _drop_stale(self, w: _Worker, generation: int) -> None:
-        while w.pending:
-            w.ring.release(w.pending.popleft())
+    def _drop_early(self, w: _Worker) -> None:
+        for ring, msg in w.early.values():
+            if ring is not None:
+                ring.release(msg)
+        w.early.clear()
 
-    def _next(self, w: _Worker, generation: int, spec: Any, todo: list[int]) -> Message:
-        from ._tree import read_header
+    def _receive(self, w: _Worker) -> tuple[Ring | None, Any] | None:
+        """One message from either channel of ``w``, or None after ``poll_interval``."""
+        poll = self.options.poll_interval
+        if w.spilling:
+            if w.data.poll(poll):
+                return self._recv_spilled(w)
+            try:
+                msg = w.ring.recv(timeout=0)
+            except RingTimeoutError:
+                return None
+        else:
+            try:
+                msg = w.ring.recv(timeout=poll)
+            except RingTimeoutError:
+                return self._recv_spilled(w) if w.data.poll(0) else None
+        w.spilling = False
+        return w.ring, msg
 
-        deadline_logged = False
-        while True:
-            if w.pending:
-                msg = w.pending.popleft()
-            else:
-                try:
-                    msg = w.ring.recv(timeout=self.options.poll_interval)
-                except RingTimeoutError:
+    def _recv_spilled(self, w: _Worker) -> tuple[Ring | None, Any] | None:
+        try:
+            data = w.data.recv_bytes()
+        except (EOFError, OSError):  # the worker died mid-send: treated like a timeout
+            return None
+        w.spilling = True
+        return None, SpilledMessage(data)
+
+    @staticmethod
+    def _discard(ring: Ring | None, msg: Any) -> None:
+        if ring is not None:
+            ring.release(msg)
+
+    def _next(self, w: _Worker, generation: int, spec: Any, todo: list[int]
+              ) -> tuple[Ring | None, Any]:
+        want = todo[0]
+        self._want[w.index] = want
+        try:
+            while True:
+                got = w.early.pop(want, None)
+                if got is None:
+                    got = self._receive(w)
+                if got is None:
                     if w.proc.exitcode is not None:
                         self._restart(w, generation, spec, todo)
-                    elif not deadline_logged and not w.proc.is_alive():
-                        deadline_logged = True
                     continue
-            kind, step, _times, gen = read_header(msg.view)
-            if gen != generation:
-                w.ring.release(msg)
-                continue
-            if kind == KIND_ERROR:
-                exc, tb = read_error(msg.view)
-                w.ring.release(msg)
-                raise WorkerError(
-                    f"worker {w.index} raised {type(exc).__name__}: {exc}\n"
-                    f"--- worker traceback ---\n{tb}"
-                ) from exc
-            if step != todo[0]:
-                w.ring.release(msg)
-                raise WorkerError(f"worker {w.index} sent step {step}, expected {todo[0]}")
-            return msg
+                ring, msg = got
+                kind, step, _times, gen = read_header(msg.view)
+                if gen != generation & 0xFFFFFFFF:
+                    self._discard(ring, msg)
+                    continue
+                if step != want and step in todo:  # overtook `want` through the other channel
+                    w.early[step] = got
+                    continue
+                if kind == KIND_ERROR:
+                    exc, tb = read_error(msg.view)
+                    self._discard(ring, msg)
+                    raise WorkerError(
+                        f"worker {w.index} raised {type(exc).__name__}: {exc}\n"
+                        f"--- worker traceback ---\n{tb}"
+                    ) from exc
+                if step != want:
+                    self._discard(ring, msg)
+                    raise WorkerError(f"worker {w.index} sent step {step}, expected {want}")
+                return got
+        finally:
+            self._want[w.index] = -1
 
     def _restart(self, w: _Worker, generation: int, spec: Any, todo: list[int]) -> None:
         code = w.proc.exitcode
+        if code is None:  # alive but unreachable: make sure it is gone before replacing it
+            w.proc.kill()
+            w.proc.join(1.0)
+            code = w.proc.exitcode
         w.restarts += 1
         self.restarts += 1
         if w.restarts > self.options.max_restarts:
@@ -262,23 +456,24 @@ class WorkerPool:
             )
         log.warning("worker %d died (%s); restarting it and redoing its unfinished batches",
                     w.index, _describe_exit(code))
-        # Whatever it committed is still in the ring and valid: keep it, redo only the rest.
-        from ._tree import read_header
-
-        committed: list[int] = []
+        # Whatever it committed (ring) or sent whole (pipe) is still valid: keep it, redo the rest.
+        wanted = set(todo)
         while True:
             try:
-                msg = w.ring.recv(timeout=0)
+                got: tuple[Ring | None, Any] | None = (w.ring, w.ring.recv(timeout=0))
             except RingTimeoutError:
+                got = self._recv_spilled(w) if w.data.poll(0) else None
+            if got is None:
                 break
-            kind, step, _t, gen = read_header(msg.view)
-            if gen == generation and kind != KIND_ERROR:
-                w.pending.append(msg)
-                committed.append(step)
+            ring, msg = got
+            _kind, step, _t, gen = read_header(msg.view)
+            if gen == generation & 0xFFFFFFFF and step in wanted and step not in w.early:
+                w.early[step] = got
             else:
-                w.ring.release(msg)
-        redo = [s for s in todo if s not in set(committed)]
+                self._discard(ring, msg)
+        redo = [s for s in todo if s not in w.early]
         w.conn.close()
+        w.data.close()
         w.proc.join(0)
         w.ring.reset_producer()
         self._spawn(w)
@@ -293,9 +488,11 @@ class WorkerPool:
         for w in self._workers:
             try:
                 w.conn.send((Cmd.STOP,))
-            except (OSError, AttributeError, BrokenPipeError):
+            except (OSError, AttributeError):
                 pass
             w.ring.close()
+            if w.data is not None:
+                w.data.close()  # a worker blocked on a spill send gets EPIPE
         deadline = time.monotonic() + self.options.join_timeout
         for w in self._workers:
             if w.proc is None:
@@ -308,7 +505,7 @@ class WorkerPool:
                 w.proc.kill()
                 w.proc.join(1.0)
         for w in self._workers:
-            w.pending.clear()
+            w.early.clear()
             w.ring.unlink()
             if w.conn is not None:
                 w.conn.close()

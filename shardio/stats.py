@@ -65,6 +65,11 @@ class LoaderStats:
         self._last_return = now
         self._check()
 
+    def begin_epoch(self) -> None:
+        """A new iteration starts: time since the last batch of an earlier (possibly abandoned)
+        iteration is not a training step."""
+        self._last_return = None
+
     def epoch_end(self) -> None:
         self._last_return = None
 

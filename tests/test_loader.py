@@ -1,0 +1,863 @@
+"""``ShardLoader`` end to end with real components: datasets packed by ``shardio.pack``, forked
+worker processes, rings in real shared memory, real signals (SIGKILL of a worker and of the
+training process).
+
+Checked against DESIGN.md §3 "Order and partitioning" and "Concurrency" and the protocol in
+``shardio/pool.py``: batches in exactly the order ``shardio.order`` defines (world 1 and explicit
+topologies), zero-copy batches that are never overwritten while the user holds them (copy-out
+or spill when the ring would fill, never a hang), dead workers restarted with every sample still
+delivered exactly once or a typed error, no shared memory left behind even after SIGKILL, exact
+resume from ``state_dict`` with another worker count and batch size, sizing errors that name the
+option to change, and the data-wait statistics.
+
+Every test has a deadline (pytest-timeout dumps every thread's stack when it hits it), and an
+autouse fixture checks that no ``shardio-`` file is left in ``/dev/shm`` and no worker process is
+left alive after each test.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import shardio
+from shardio import ShardDataset, ShardLoader, Topology
+from shardio.errors import (
+    MessageTooLargeError,
+    ShmSpaceError,
+    WorkerCrashedError,
+    WorkerError,
+)
+from tests.test_dataset import (
+    check_epoch_cover,
+    epoch_keys,
+    expected_rank_batches,
+    flat,
+    pack_text,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
+SHM = Path("/dev/shm")
+N_TEXT = 61  # samples of the `text` dataset (13 shards of <= 5): 61 is prime, remainders on purpose
+IMG_H, IMG_W = 24, 32
+N_IMG = 48  # samples of the `images` dataset: 3 classes x 16 PNGs of IMG_H x IMG_W
+FAST = {"poll_interval": 0.05}  # notice dead workers quickly in tests
+
+# Creator pids of rings this module may leave in /dev/shm: this process and the training-loop
+# subprocesses it starts.  Rings of unrelated processes (other test sessions) are not ours.
+OUR_RING_CREATORS: set[int] = {os.getpid()}
+_RING_NAME = re.compile(r"shardio-(\d+)-[0-9a-f]{16}")
+
+
+# --- helpers ---------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def our_rings() -> set[str]:
+    out = set()
+    for name in os.listdir(SHM):
+        m = _RING_NAME.fullmatch(name)
+        if m is not None and int(m.group(1)) in OUR_RING_CREATORS:
+            out.add(name)
+    return out
+
+
+def live_children() -> list[psutil.Process]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Pids still alive (not zombies) after waiting up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers() -> Iterator[None]:
+    """No ring file in /dev/shm and no live worker process survives a test."""
+    before_rings = our_rings()
+    before_procs = {p.pid for p in live_children()}
+    yield
+    gc.collect()
+    assert our_rings() - before_rings == set(), "shared memory left behind in /dev/shm"
+    leaked = [p.pid for p in live_children() if p.pid not in before_procs]
+    assert wait_gone(leaked, 5.0) == [], "worker processes left alive"
+
+
+@pytest.fixture
+def make_loader() -> Iterator[Callable[..., ShardLoader]]:
+    """Build loaders that are closed at teardown even when the test fails."""
+    made: list[ShardLoader] = []
+
+    def make(ds: ShardDataset, batch_size: int, **kwargs: Any) -> ShardLoader:
+        kwargs.setdefault("num_workers", 2)
+        loader = ShardLoader(ds, batch_size, **kwargs)
+        made.append(loader)
+        return loader
+
+    yield make
+    for loader in made:
+        loader.close()
+
+
+def new_workers(before: set[int]) -> list[int]:
+    return sorted(p.pid for p in live_children() if p.pid not in before)
+
+
+def keys_collate(samples: list[dict[str, Any]]) -> list[str]:
+    return [s["__key__"] for s in samples]
+
+
+def key_batches(loader: ShardLoader) -> list[list[str]]:
+    return [list(b) for b in loader]
+
+
+def copy_warnings(caught: list[warnings.WarningMessage]) -> int:
+    """How many of ``caught`` are the loader's copy-out RuntimeWarning."""
+    return sum(issubclass(w.category, RuntimeWarning) and "copies batches out" in str(w.message)
+               for w in caught)
+
+
+def shm_mapping_of(ptr: int) -> str | None:
+    """Path of the file mapping (``/proc/self/maps``) that holds address ``ptr``, if any."""
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5].strip() if len(parts) == 6 else ""
+    return None
+
+
+def write_pngs(src: Path) -> dict[str, np.ndarray]:
+    from PIL import Image
+
+    pixels = {}
+    for i in range(N_IMG):
+        d = src / f"c{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        img = np.random.default_rng(i).integers(0, 256, (IMG_H, IMG_W, 3), dtype=np.uint8)
+        Image.fromarray(img).save(d / f"i{i:04d}.png")
+        pixels[f"c{i % 3}/i{i:04d}"] = img
+    return pixels
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """61 samples (txt + cls, raw) in 13 shards."""
+    return pack_text(tmp_path_factory.mktemp("text"), N_TEXT, 5)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray],
+                                                                dict[str, int]]:
+    """48 PNGs of one size (png + cls) in 8 shards, with the source pixels and labels by key."""
+    base = tmp_path_factory.mktemp("images")
+    pixels = write_pngs(base / "src")
+    shardio.pack(base / "src", base / "ds", samples_per_shard=6, label_from_dir=True,
+                 fsync=False, progress=False)
+    with shardio.open_dataset(base / "ds") as reader:
+        labels = {s["__key__"]: int(bytes(s["cls"])) for s in reader}
+    return base / "ds", pixels, labels
+
+
+def check_image_batch(batch: dict[str, Any], keys: list[str], pixels: dict[str, np.ndarray],
+                      labels: dict[str, int]) -> None:
+    assert batch["__key__"] == keys
+    png, cls = batch["png"], batch["cls"]
+    assert isinstance(png, torch.Tensor) and png.dtype == torch.uint8
+    assert tuple(png.shape) == (len(keys), IMG_H, IMG_W, 3)
+    assert isinstance(cls, torch.Tensor) and cls.dtype == torch.int64
+    assert cls.tolist() == [labels[k] for k in keys]
+    for i, k in enumerate(keys):
+        assert np.array_equal(png[i].numpy(), pixels[k]), f"pixels of {k} changed"
+
+
+# Transforms and collates live at module level: workers are forked, but tracebacks and pickled
+# exceptions should name real, importable functions.
+def add_worker_pid(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "pid": os.getpid()}
+
+
+def slow_transform(sample: dict[str, Any]) -> dict[str, Any]:
+    time.sleep(0.01)
+    return sample
+
+
+def very_slow_transform(sample: dict[str, Any]) -> dict[str, Any]:
+    time.sleep(0.03)
+    return sample
+
+
+def explode_on_sample(sample: dict[str, Any]) -> dict[str, Any]:
+    if sample["__key__"].endswith("7"):
+        raise ZeroDivisionError(f"cannot transform {sample['__key__']}")
+    return sample
+
+
+class NeedsTwoArgs(Exception):
+    """Pickles fine, but unpickling calls ``NeedsTwoArgs(msg)`` and fails."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}")
+        self.key, self.reason = key, reason
+
+
+def raise_unpicklable(sample: dict[str, Any]) -> dict[str, Any]:
+    raise NeedsTwoArgs(sample["__key__"], "bad sample")
+
+
+def die_every_time(sample: dict[str, Any]) -> dict[str, Any]:
+    os._exit(7)
+
+
+def big_payload(sample: dict[str, Any]) -> dict[str, Any]:
+    """256 KiB per sample, derived from the key, so that leaks and overwrites would show."""
+    seed = int(sample["__key__"][-4:])
+    return {"__key__": sample["__key__"], "x": np.full(1 << 16, seed, dtype=np.float32)}
+
+
+# --- 1. order, sizes, epochs, decode, collate, transform -------------------------------------
+@pytest.mark.parametrize(("batch", "shuffle"), [(4, True), (7, True), (5, False)])
+def test_world1_order_is_the_contract(text: Path, make_loader: Callable[..., ShardLoader],
+                                      batch: int, shuffle: bool) -> None:
+    ds = ShardDataset(text, seed=11, shuffle=shuffle)
+    loader = make_loader(ds, batch, collate_fn=keys_collate)
+    order = epoch_keys(text, seed=11, shuffle=shuffle)
+    expected = expected_rank_batches(order, 0, 1, 0, batch, "pad")
+    got = key_batches(loader)
+    assert got == expected
+    assert len(loader) == len(expected) == -(-N_TEXT // batch)
+    assert sorted(flat(got)) == sorted(order)  # every sample exactly once
+
+
+@pytest.mark.parametrize("remainder", ["pad", "drop"])
+def test_explicit_topology_ranks(text: Path, make_loader: Callable[..., ShardLoader],
+                                 remainder: str) -> None:
+    world, batch = 3, 4
+    order = epoch_keys(text, seed=5)
+    delivered: list[str] = []
+    lengths = set()
+    for rank in range(world):
+        ds = ShardDataset(text, seed=5, remainder=remainder,
+                          topology=Topology(rank=rank, world_size=world))
+        loader = make_loader(ds, batch, collate_fn=keys_collate)
+        got = key_batches(loader)
+        assert got == expected_rank_batches(order, 0, world, rank, batch, remainder)
+        assert len(loader) == len(got)
+        lengths.add(len(got))
+        delivered += flat(got)
+        loader.close()
+    assert len(lengths) == 1, "ranks got different numbers of batches"
+    check_epoch_cover(delivered, order, world, remainder)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_drop_last(text: Path, make_loader: Callable[..., ShardLoader], world: int) -> None:
+    batch = 4
+    order = epoch_keys(text, seed=2)
+    for rank in range(world):
+        ds = ShardDataset(text, seed=2, topology=Topology(rank=rank, world_size=world))
+        loader = make_loader(ds, batch, collate_fn=keys_collate, drop_last=True)
+        full = expected_rank_batches(order, 0, world, rank, batch, "pad")
+        per_rank = -(-N_TEXT // world)
+        assert len(loader) == per_rank // batch < len(full)
+        got = key_batches(loader)
+        assert got == full[: per_rank // batch]
+        assert all(len(b) == batch for b in got)
+        loader.close()
+
+
+def test_epochs_with_persistent_workers(text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    ds = ShardDataset(text, seed=9)
+    before = {p.pid for p in live_children()}
+    loader = make_loader(ds, 6, collate_fn=keys_collate)
+    orders = []
+    workers = None
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        got = key_batches(loader)
+        assert got == expected_rank_batches(epoch_keys(text, seed=9, epoch=epoch), 0, 1, 0, 6,
+                                            "pad")
+        orders.append(flat(got))
+        now = new_workers(before)
+        assert len(now) == 2
+        if workers is not None:
+            assert now == workers, "workers were not kept across epochs"
+        workers = now
+    assert orders[0] != orders[1] != orders[2], "set_epoch did not change the order"
+    # Without set_epoch the same epoch repeats.
+    assert flat(key_batches(loader)) == orders[2]
+    assert loader.stats()["restarts"] == 0
+
+
+def test_decode_default_collate_stacks_images(images: tuple[Path, dict[str, np.ndarray],
+                                                            dict[str, int]],
+                                              make_loader: Callable[..., ShardLoader]) -> None:
+    root, pixels, labels = images
+    ds = ShardDataset(root, seed=4, decode=True)
+    loader = make_loader(ds, 5)
+    expected = expected_rank_batches(epoch_keys(root, seed=4), 0, 1, 0, 5, "pad")
+    got = list(loader)
+    assert len(got) == len(expected) == len(loader)
+    for batch, keys in zip(got, expected):
+        assert set(batch) == {"__key__", "png", "cls"}
+        check_image_batch(batch, keys, pixels, labels)
+
+
+def rich_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = [s["__key__"] for s in samples]
+    ids = np.array([int(k[-4:]) for k in keys], dtype=np.int32)
+    return {
+        "keys": keys,
+        "raw": [bytes(s["txt"]) for s in samples],
+        "ids": ids,
+        "table": np.stack([ids, ids * 2]).T.copy(),
+        "weights": torch.arange(len(samples), dtype=torch.float32) / 2,
+        "nested": [("first", keys[0]), {"count": len(samples), "none": None}],
+        "label": "batch",
+    }
+
+
+def test_custom_collate_any_tree(text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    ds = ShardDataset(text, seed=1)
+    loader = make_loader(ds, 4, collate_fn=rich_collate)
+    expected = expected_rank_batches(epoch_keys(text, seed=1), 0, 1, 0, 4, "pad")
+    with shardio.open_dataset(text) as reader:
+        txt = {s["__key__"]: bytes(s["txt"]) for s in reader}
+    got = list(loader)
+    assert len(got) == len(expected)
+    for batch, keys in zip(got, expected):
+        ids = [int(k[-4:]) for k in keys]
+        assert batch["keys"] == keys
+        assert batch["raw"] == [txt[k] for k in keys]
+        assert all(isinstance(r, bytes) for r in batch["raw"])
+        assert isinstance(batch["ids"], np.ndarray) and batch["ids"].dtype == np.int32
+        assert batch["ids"].tolist() == ids
+        assert batch["table"].tolist() == [[i, 2 * i] for i in ids]
+        assert isinstance(batch["weights"], torch.Tensor)
+        assert batch["weights"].dtype == torch.float32
+        assert batch["weights"].tolist() == [i / 2 for i in range(len(keys))]
+        assert batch["nested"] == [("first", keys[0]), {"count": len(keys), "none": None}]
+        assert batch["label"] == "batch"
+
+
+def test_transform_runs_in_workers(text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    ds = ShardDataset(text, seed=3, transform=add_worker_pid)
+    before = {p.pid for p in live_children()}
+    loader = make_loader(ds, 8)
+    pids: set[int] = set()
+    keys: list[str] = []
+    for batch in loader:
+        assert batch["pid"].dtype == torch.int64  # default collate: ints become int64 tensors
+        pids |= set(batch["pid"].tolist())
+        keys += batch["__key__"]
+    workers = set(new_workers(before))
+    assert os.getpid() not in pids
+    assert pids == workers and len(workers) == 2
+    assert keys == epoch_keys(text, seed=3)
+
+
+# --- 2. zero-copy and batch lifetime ---------------------------------------------------------
+def test_batches_view_the_shared_ring(images: tuple[Path, dict[str, np.ndarray], dict[str, int]],
+                                      make_loader: Callable[..., ShardLoader]) -> None:
+    root, pixels, labels = images
+    loader = make_loader(ShardDataset(root, seed=0, decode=True), 4)
+    expected = expected_rank_batches(epoch_keys(root, seed=0), 0, 1, 0, 4, "pad")
+    for batch, keys in zip(loader, expected):
+        for t in (batch["png"], batch["cls"]):
+            where = shm_mapping_of(t.data_ptr())
+            assert where is not None and "/dev/shm/shardio-" in where, where
+            assert "(deleted)" in where  # unlinked at creation: nothing to leave behind
+        check_image_batch(batch, keys, pixels, labels)
+    assert loader.stats()["copied_out"] == 0
+
+
+def test_kept_batches_are_never_overwritten(images: tuple[Path, dict[str, np.ndarray],
+                                                          dict[str, int]],
+                                            make_loader: Callable[..., ShardLoader]) -> None:
+    """Keeping every batch of an epoch with rings that hold ~3 batches: the loader must copy out
+    (and spill) instead of deadlocking or reusing memory the kept batches still view."""
+    root, pixels, labels = images
+    loader = make_loader(ShardDataset(root, seed=6, decode=True), 4, ring_bytes="40KiB", **FAST)
+    expected = expected_rank_batches(epoch_keys(root, seed=6), 0, 1, 0, 4, "pad")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = list(loader)
+    assert copy_warnings(caught) == 1, [str(w.message) for w in caught]
+    assert "ring_bytes" in str(caught[0].message)
+    assert loader.stats()["copied_out"] > 0
+    assert len(kept) == len(expected) == 12
+    zero_copy = [b for b in kept if "/dev/shm/shardio-" in (shm_mapping_of(b["png"].data_ptr())
+                                                           or "")]
+    assert zero_copy, "the first batches should still view the ring"
+    for batch, keys in zip(kept, expected):
+        check_image_batch(batch, keys, pixels, labels)
+    # Once the batches are dropped, the ring is reused: the next epoch is zero-copy again.
+    copied = loader.stats()["copied_out"]
+    del kept, zero_copy, batch, caught
+    for batch, keys in zip(loader, expected):
+        assert "/dev/shm/shardio-" in (shm_mapping_of(batch["png"].data_ptr()) or "")
+        check_image_batch(batch, keys, pixels, labels)
+    assert loader.stats()["copied_out"] == copied
+
+
+def test_one_batch_kept_forever_pins_nothing(images: tuple[Path, dict[str, np.ndarray],
+                                                           dict[str, int]],
+                                             make_loader: Callable[..., ShardLoader]) -> None:
+    """A single kept batch blocks its ring's space from being reused in order (the ring frees
+    space in stream order); the loader must still get through several epochs, not hang."""
+    root, pixels, labels = images
+    # ~4 batches per ring; the loop holds at most 2 of them (the kept one and the current one),
+    # under max_held_fraction, so only the spill path can get the worker past the kept batch.
+    loader = make_loader(ShardDataset(root, seed=8, decode=True), 4, ring_bytes="48KiB", **FAST)
+    first = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            expected = expected_rank_batches(epoch_keys(root, seed=8, epoch=epoch), 0, 1, 0, 4,
+                                             "pad")
+            n = 0
+            for batch, keys in zip(loader, expected):
+                check_image_batch(batch, keys, pixels, labels)
+                if first is None:
+                    first = (batch, keys)
+                n += 1
+            assert n == len(expected)
+            assert first is not None
+            check_image_batch(first[0], first[1], pixels, labels)
+    assert copy_warnings(caught) == 1
+    assert loader.stats()["copied_out"] > 0
+
+
+def test_break_while_holding_then_next_epoch(text: Path,
+                                             make_loader: Callable[..., ShardLoader]) -> None:
+    """Break out mid-epoch while the kept batches fill the rings; the next epoch must start
+    (workers blocked on a full ring abandon the old epoch) and be complete."""
+    ds = ShardDataset(text, seed=12, transform=big_payload)
+    loader = make_loader(ds, 4, ring_bytes="3MiB", **FAST)
+    kept = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in loader:
+            kept.append(batch)
+            if len(kept) == 5:
+                break
+    assert copy_warnings(caught) == 1
+    time.sleep(0.3)  # let the workers run into their full rings
+    loader.set_epoch(1)
+    expected = expected_rank_batches(epoch_keys(text, seed=12, epoch=1), 0, 1, 0, 4, "pad")
+    got = []
+    for batch in loader:
+        got.append(batch["__key__"])
+        assert all(batch["x"][i, 0].item() == int(k[-4:]) for i, k in enumerate(batch["__key__"]))
+    assert got == expected
+    for batch in kept:  # still intact
+        assert all(batch["x"][i].eq(int(k[-4:])).all() for i, k in enumerate(batch["__key__"]))
+
+
+def tree_rss() -> int:
+    """RSS of this process and its live children.  (Not PSS: PSS divides shared library pages by
+    however many processes on the machine map them, so it moves with unrelated processes.)"""
+    total = 0
+    for p in [psutil.Process(), *live_children()]:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+@pytest.mark.timeout(90)
+def test_memory_flat_over_ten_epochs(text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    ds = ShardDataset(text, seed=13, transform=big_payload)  # ~15 MiB of batches per epoch
+    loader = make_loader(ds, 4, ring_bytes="6MiB")
+    samples = []
+    baseline = 0
+    for epoch in range(10):
+        loader.set_epoch(epoch)
+        n = 0
+        for batch in loader:
+            n += len(batch["__key__"])
+            assert batch["x"].shape == (len(batch["__key__"]), 1 << 16)
+        del batch
+        assert n == N_TEXT
+        gc.collect()
+        if epoch == 2:  # rings and caches warm
+            baseline = tree_rss()
+        elif epoch > 2:
+            samples.append(tree_rss())
+    assert loader.stats()["copied_out"] == 0, "released batches did not free their ring space"
+    growth = max(samples) - baseline
+    assert growth <= 0.04 * baseline, (
+        f"process tree memory grew {growth / 2**20:.1f} MiB over {baseline / 2**20:.1f} MiB "
+        f"across 7 epochs: {[round(s / 2**20, 1) for s in samples]}")
+
+
+# --- 3. failures -----------------------------------------------------------------------------
+def test_transform_error_is_worker_error_with_traceback(
+        text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    loader = make_loader(ShardDataset(text, seed=0, transform=explode_on_sample), 4, **FAST)
+    with pytest.raises(WorkerError) as info:
+        for _ in loader:
+            pass
+    err = info.value
+    assert type(err) is WorkerError
+    assert isinstance(err.__cause__, ZeroDivisionError)
+    assert "cannot transform" in str(err.__cause__)
+    assert "explode_on_sample" in str(err), "the worker traceback is missing"
+    assert "Traceback" in str(err)
+    t0 = time.monotonic()
+    loader.close()
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_exception_that_cannot_unpickle_still_arrives(
+        text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    loader = make_loader(ShardDataset(text, seed=0, transform=raise_unpicklable), 4, **FAST)
+    with pytest.raises(WorkerError) as info:
+        next(iter(loader))
+    assert "NeedsTwoArgs" in str(info.value) and "bad sample" in str(info.value)
+    assert "raise_unpicklable" in str(info.value)
+    assert isinstance(info.value.__cause__, BaseException)
+
+
+def raise_long_error(sample: dict[str, Any]) -> dict[str, Any]:
+    raise KeyError("x" * 20000)
+
+
+def test_error_larger_than_the_ring_still_arrives(
+        text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    loader = make_loader(ShardDataset(text, transform=raise_long_error), 2, ring_bytes="4KiB",
+                         **FAST)
+    with pytest.raises(WorkerError) as info:
+        next(iter(loader))
+    assert isinstance(info.value.__cause__, KeyError)
+    assert "raise_long_error" in str(info.value)
+    assert loader.stats()["restarts"] == 0
+
+
+def test_sigkill_of_a_worker_mid_epoch(text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    ds = ShardDataset(text, seed=21, transform=slow_transform)
+    before = {p.pid for p in live_children()}
+    loader = make_loader(ds, 4, **FAST)
+    expected = expected_rank_batches(epoch_keys(text, seed=21), 0, 1, 0, 4, "pad")
+    got = []
+    killed = None
+    for batch in loader:
+        got.append(list(batch["__key__"]))
+        if len(got) == 3:
+            workers = new_workers(before)
+            assert len(workers) == 2
+            killed = workers[0]
+            os.kill(killed, signal.SIGKILL)
+    assert got == expected, "a batch was lost, repeated or reordered after the restart"
+    assert Counter(flat(got)) == Counter(epoch_keys(text, seed=21))
+    assert loader.stats()["restarts"] >= 1
+    assert killed not in new_workers(before)
+    # The pool is whole again: another epoch works.
+    loader.set_epoch(1)
+    assert flat(key_batches_of(loader)) == epoch_keys(text, seed=21, epoch=1)
+
+
+def test_restarted_worker_does_not_undo_set_epoch(text: Path,
+                                                  make_loader: Callable[..., ShardLoader]) -> None:
+    """set_epoch() during an epoch applies to the next one, even when a worker is restarted (and
+    so starts the running epoch again) after the call."""
+    ds = ShardDataset(text, seed=23, transform=slow_transform)
+    before = {p.pid for p in live_children()}
+    loader = make_loader(ds, 4, **FAST)
+    got = []
+    for batch in loader:
+        got.append(list(batch["__key__"]))
+        if len(got) == 2:
+            loader.set_epoch(1)
+            os.kill(new_workers(before)[1], signal.SIGKILL)
+    assert got == expected_rank_batches(epoch_keys(text, seed=23), 0, 1, 0, 4, "pad")
+    assert loader.stats()["restarts"] >= 1
+    assert ds.epoch == 1
+    assert flat(key_batches_of(loader)) == epoch_keys(text, seed=23, epoch=1)
+
+
+def key_batches_of(loader: ShardLoader) -> list[list[str]]:
+    return [list(b["__key__"]) for b in loader]
+
+
+def test_worker_that_keeps_dying_is_a_typed_error(text: Path,
+                                                  make_loader: Callable[..., ShardLoader]) -> None:
+    before = {p.pid for p in live_children()}
+    loader = make_loader(ShardDataset(text, transform=die_every_time), 4, max_restarts=2, **FAST)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerCrashedError) as info:
+        next(iter(loader))
+    assert time.monotonic() - t0 < 20
+    assert "max_restarts=2" in str(info.value)
+    assert "exit code 7" in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    assert loader.stats()["restarts"] >= 3
+    assert wait_gone(new_workers(before), 5.0) == [], "the broken pool was not shut down"
+
+
+def test_close_mid_epoch_is_prompt(text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    ds = ShardDataset(text, seed=0, transform=slow_transform)
+    before = {p.pid for p in live_children()}
+    loader = make_loader(ds, 4)
+    for i, _batch in enumerate(loader):
+        if i == 2:
+            break
+    workers = new_workers(before)
+    assert len(workers) == 2
+    t0 = time.monotonic()
+    loader.close()
+    assert time.monotonic() - t0 < 2.0, "close() waited for the epoch to finish"
+    assert wait_gone(workers, 2.0) == []
+    assert _batch["__key__"]  # a batch handed out before close() stays readable
+
+
+# --- 4. no shared memory left behind, even after SIGKILL of the training process -------------
+TRAIN_SCRIPT = """
+import faulthandler, os, sys, time
+faulthandler.dump_traceback_later(50, exit=True)
+sys.path.insert(0, {root!r})
+import psutil
+import shardio
+
+def slow(sample):
+    time.sleep(0.02)
+    return sample
+
+ds = shardio.ShardDataset({data!r}, seed=0, transform=slow)
+loader = shardio.ShardLoader(ds, batch_size=2, num_workers=2, ring_bytes="1MiB")
+for epoch in range(1000):
+    loader.set_epoch(epoch)
+    for i, batch in enumerate(loader):
+        if epoch == 0 and i == 2:
+            kids = [p.pid for p in psutil.Process().children()]
+            print("workers", *kids, flush=True)
+        time.sleep(0.01)  # the training step
+"""
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_the_training_process_leaves_nothing(text: Path, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TRAIN_SCRIPT.format(root=str(ROOT), data=str(text))))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    OUR_RING_CREATORS.add(proc.pid)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("workers"), (line, proc.stderr.read() if proc.stderr else "")
+        workers = [int(x) for x in line.split()[1:]]
+        assert len(workers) == 2
+        time.sleep(0.2)  # mid-epoch: workers busy with batches
+        assert all(psutil.pid_exists(pid) for pid in workers)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert wait_gone(workers, 5.0) == [], "workers outlived the training process"
+        left = [n for n in os.listdir(SHM) if n.startswith(f"shardio-{proc.pid}-")]
+        assert left == [], f"rings left in /dev/shm: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+# --- 5. checkpoints --------------------------------------------------------------------------
+@pytest.mark.parametrize(("k", "workers", "batch"), [(0, 3, 5), (3, 1, 5), (7, 3, 3), (15, 2, 4)])
+def test_state_dict_resumes_exactly_the_rest(text: Path, make_loader: Callable[..., ShardLoader],
+                                             k: int, workers: int, batch: int) -> None:
+    order = epoch_keys(text, seed=17, epoch=2)
+    first = make_loader(ShardDataset(text, seed=17), 4, collate_fn=keys_collate)
+    first.set_epoch(2)
+    head: list[list[str]] = []
+    it = iter(first)
+    for _ in range(k):
+        head.append(next(it))
+    time.sleep(0.1)  # more batches are prefetched into the rings, not delivered
+    state = first.state_dict()
+    assert state["epoch"] == 2 and state["cursor"] == min(4 * k, N_TEXT)
+    assert head == expected_rank_batches(order, 0, 1, 0, 4, "pad")[:k]
+    first.close()
+
+    resumed = make_loader(ShardDataset(text, seed=17), batch, num_workers=workers,
+                          collate_fn=keys_collate)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() | {"batch_size": 4} == state  # nothing delivered yet
+    rest = key_batches(resumed)
+    assert rest == expected_rank_batches(order, 4 * k, 1, 0, batch, "pad")
+    union = flat(head) + flat(rest)
+    assert union == order, "resume lost, repeated or reordered samples"
+
+
+def test_state_dict_after_full_epoch_resumes_nothing(text: Path,
+                                                     make_loader: Callable[..., ShardLoader]) -> None:
+    first = make_loader(ShardDataset(text, seed=4), 4, collate_fn=keys_collate)
+    assert len(key_batches(first)) == 16
+    state = first.state_dict()
+    assert state["cursor"] == N_TEXT
+    first.close()
+    resumed = make_loader(ShardDataset(text, seed=4), 3, collate_fn=keys_collate)
+    resumed.load_state_dict(state)
+    assert len(resumed) == 0
+    assert key_batches(resumed) == []
+
+
+def test_state_dict_resume_on_another_topology(text: Path,
+                                               make_loader: Callable[..., ShardLoader]) -> None:
+    """Two ranks take 3 batches each; the rest is re-split across three ranks."""
+    order = epoch_keys(text, seed=3)
+    delivered: list[str] = []
+    states = []
+    for rank in range(2):
+        ds = ShardDataset(text, seed=3, topology=Topology(rank=rank, world_size=2))
+        loader = make_loader(ds, 4, collate_fn=keys_collate)
+        it = iter(loader)
+        delivered += flat([next(it) for _ in range(3)])
+        states.append(loader.state_dict())
+        loader.close()
+    assert states[0] == states[1] and states[0]["cursor"] == 24
+    for rank in range(3):
+        ds = ShardDataset(text, seed=3, topology=Topology(rank=rank, world_size=3))
+        loader = make_loader(ds, 2, collate_fn=keys_collate)
+        loader.load_state_dict(states[0])
+        got = key_batches(loader)
+        assert got == expected_rank_batches(order, 24, 3, rank, 2, "pad")
+        delivered += flat(got)
+        loader.close()
+    # 37 remaining samples on 3 ranks: "pad" repeats 2 of them.
+    counts = Counter(delivered)
+    assert set(counts) == set(order) and sum(counts.values()) == N_TEXT + 2
+
+
+# --- 6. sizing -------------------------------------------------------------------------------
+def test_absurd_ring_bytes_fails_before_any_worker(text: Path,
+                                                   make_loader: Callable[..., ShardLoader]) -> None:
+    before = {p.pid for p in live_children()}
+    loader = make_loader(ShardDataset(text), 4, ring_bytes="100TB")
+    for _ in range(2):  # and again: a failed start leaves no half-built pool behind
+        with pytest.raises(ShmSpaceError) as info:
+            next(iter(loader))
+        assert "ring_bytes" in str(info.value) and "shm_dir" in str(info.value)
+        assert isinstance(info.value, OSError)
+        assert new_workers(before) == []
+
+
+def test_shm_dir_on_disk(images: tuple[Path, dict[str, np.ndarray], dict[str, int]],
+                         make_loader: Callable[..., ShardLoader], tmp_path: Path) -> None:
+    root, pixels, labels = images
+    rings = tmp_path / "rings"
+    rings.mkdir()
+    loader = make_loader(ShardDataset(root, seed=2, decode=True), 4, shm_dir=str(rings))
+    expected = expected_rank_batches(epoch_keys(root, seed=2), 0, 1, 0, 4, "pad")
+    n = 0
+    for batch, keys in zip(loader, expected):
+        where = shm_mapping_of(batch["png"].data_ptr()) or ""
+        assert where.startswith(str(rings) + "/shardio-"), where
+        check_image_batch(batch, keys, pixels, labels)
+        n += 1
+    assert n == len(expected)
+    assert os.listdir(rings) == []  # unlinked at creation
+    loader.close()
+    assert os.listdir(rings) == []
+
+
+def huge_collate(samples: list[dict[str, Any]]) -> np.ndarray:
+    return np.zeros((len(samples), 1 << 18), dtype=np.uint8)
+
+
+def test_batch_bigger_than_the_ring(text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    loader = make_loader(ShardDataset(text), 4, ring_bytes="64KiB", collate_fn=huge_collate,
+                         **FAST)
+    with pytest.raises((MessageTooLargeError, WorkerError)) as info:
+        next(iter(loader))
+    err = info.value
+    too_large = err if isinstance(err, MessageTooLargeError) else err.__cause__
+    assert isinstance(too_large, MessageTooLargeError)
+    assert "ring_bytes" in str(err)
+
+
+# --- 7. data-wait accounting -----------------------------------------------------------------
+STAT_KEYS = {"steps", "wait_s", "compute_s", "wait_fraction", "wait_per_step_s",
+             "compute_per_step_s", "stage_s", "stage_per_batch_s", "copied_out", "restarts"}
+STAGES = {"read", "decode", "transform", "collate", "write", "total"}
+
+
+def test_stats_slow_training_step(text: Path, make_loader: Callable[..., ShardLoader],
+                                  caplog: pytest.LogCaptureFixture) -> None:
+    loader = make_loader(ShardDataset(text, seed=0), 2, collate_fn=keys_collate, warn_window=5)
+    with caplog.at_level(logging.WARNING, logger="shardio.loader"):
+        for _batch in loader:
+            time.sleep(0.04)  # the training step is the bottleneck
+    s = loader.stats()
+    assert STAT_KEYS <= set(s) and set(s["stage_s"]) == STAGES
+    assert s["steps"] == 31
+    assert s["compute_s"] >= 30 * 0.04
+    assert s["wait_fraction"] < 0.3, s
+    assert s["stage_s"]["read"] > 0 and s["stage_s"]["write"] > 0
+    assert s["stage_s"]["total"] >= s["stage_s"]["read"] + s["stage_s"]["write"]
+    assert not [r for r in caplog.records if "waited for data" in r.getMessage()]
+
+
+def test_stats_slow_transform_warns(text: Path, make_loader: Callable[..., ShardLoader],
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    ds = ShardDataset(text, seed=0, transform=very_slow_transform)
+    loader = make_loader(ds, 2, num_workers=1, warn_window=4)
+    with caplog.at_level(logging.WARNING, logger="shardio.loader"):
+        for i, _batch in enumerate(loader):
+            if i == 8:
+                break
+    s = loader.stats()
+    assert s["steps"] == 9
+    assert s["wait_fraction"] > 0.7, s
+    assert s["stage_per_batch_s"]["transform"] >= 2 * 0.03 * 0.9
+    warned = [r for r in caplog.records if "waited for data" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert "num_workers" in warned[0].getMessage()
