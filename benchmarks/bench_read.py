@@ -9,6 +9,12 @@ run of:
 
 * ``shardio``: ``DataLoader(ShardDataset(out, batch_size=256, transform=...), batch_size=256,
   num_workers=2)`` (shuffled; per-sample checksums verified, the default);
+* ``shardio_loader``: ``ShardLoader(ShardDataset(out, batch_size=256, transform=...),
+  batch_size=256, num_workers=2)``: the same dataset, read by shardio's own worker pool, whose
+  workers write whole batches into shared-memory rings (default ``ring_bytes``, default collate:
+  tensors and numbers stacked straight into the ring, bytes pickled alongside).  Its workers
+  outlive an epoch; the timed runs close the loader right after the loop, inside the timed
+  region, so worker start and stop count as they do for ``persistent_workers=False``;
 * ``smallfiles``: ``DataLoader(ImageFolderBytes(src), batch_size=256, shuffle=True,
   num_workers=2)``, a map-style dataset that lists the tree like torchvision's ImageFolder and
   opens and reads one file per ``__getitem__``;
@@ -21,7 +27,8 @@ run of:
 
 each in two modes, with the same per-sample function for every contender:
 
-* ``raw``: the JPEG bytes and the integer label; a batch is ``(list of bytes, int64 label tensor)``;
+* ``raw``: the JPEG bytes and the integer label; a batch is ``(list of bytes, int64 label tensor)``
+  (plus the payload size: an int, or a per-sample tensor from ShardLoader's default collate);
 * ``decode``: Pillow decode to RGB, resize the shorter side to 64 (bilinear), center crop 64x64,
   ``uint8`` CHW tensor; a batch is ``(uint8 [B,3,64,64], labels)``.
 
@@ -39,12 +46,14 @@ the main process, so the sum does not double count them; the RSS sum does).  ``b
 the tree before the loader starts (interpreter, torch, the dataset object).
 
 CPU: each run also records the loader's CPU time, main process plus its workers (``getrusage``
-of self and reaped children; the memory sampler's own CPU taken out), per delivered sample, and
-the 1-minute load average.  Wall time suffers when other jobs share the machine, CPU per sample
+of self and reaped children, plus live workers such as a ShardLoader's or persistent ones read
+with ``psutil``; the memory sampler's own CPU taken out), per delivered sample, and the 1-minute
+load average.  Wall time suffers when other jobs share the machine, CPU per sample
 much less, so ``cpu_ratios`` cross-check the throughput ratios.
 
-Growth check: ``--growth-epochs`` (default 10) epochs of raw mode in one child for shardio and for
-the small-files loader, with ``persistent_workers`` False and True; the tree's RSS and PSS are read
+Growth check: ``--growth-epochs`` (default 10) epochs of raw mode in one child for shardio, the
+ShardLoader (not persistent: closed and restarted every epoch) and the small-files loader, with
+``persistent_workers`` False and True; the tree's RSS and PSS are read
 after each epoch's loop ends and epoch 1 is compared with the last epoch (``*_growth_pct``; a
 least-squares ``*_trend_pct`` too).  With persistent workers the tree is the main process and both
 workers, which live across epochs, so a per-worker leak accumulates; without, the workers have
@@ -88,9 +97,10 @@ CROP = 64
 WDS_SHUFFLE = 1000
 QUICK = {"files": 400, "classes": 10, "repeat": 1, "growth_epochs": 2, "shard_size": "2MB"}
 DEFAULTS = {"files": 20000, "classes": 100, "repeat": 3, "growth_epochs": 10, "shard_size": "64MB"}
-KINDS = ("shardio", "smallfiles", "wds_batched", "wds_dataloader")
+KINDS = ("shardio", "shardio_loader", "smallfiles", "wds_batched", "wds_dataloader")
 MODES = ("raw", "decode")
-GROWTH = (("shardio", False), ("shardio", True), ("smallfiles", False), ("smallfiles", True))
+GROWTH = (("shardio", False), ("shardio", True), ("shardio_loader", False),
+          ("shardio_loader", True), ("smallfiles", False), ("smallfiles", True))
 TARGETS = {"raw_vs_smallfiles": 2.0, "raw_vs_webdataset": 4.0, "decode_vs_webdataset": 1.1,
            "rss_growth_pct": 5.0}
 
@@ -240,16 +250,27 @@ class TreeSampler:
 
 
 def _loader(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None]]:
-    """The DataLoader a spec names, and a per-epoch hook (``set_epoch`` for shardio)."""
+    """The loader a spec names, and a per-epoch hook (``set_epoch`` for shardio).
+
+    ``shardio_loader`` is a :class:`shardio.ShardLoader` with its default collate, which stacks
+    the per-sample tensors and numbers straight into the shared-memory ring: the batch has the
+    structure ``collate_*`` gives, except that ``nbytes`` is a per-sample int64 tensor (see
+    :func:`payload_of`).  Its workers outlive an epoch; "not persistent" closes it after each
+    epoch (:func:`end_epoch`), which stops them like a non-persistent DataLoader's.
+    """
     from torch.utils.data import DataLoader
 
     kind, mode, persistent = spec["kind"], spec["mode"], spec["persistent"]
     fn, collate = ITEM[mode], COLLATE[mode]
     common = {"num_workers": WORKERS, "persistent_workers": persistent}
-    if kind == "shardio":
-        from shardio import ShardDataset
+    if kind in ("shardio", "shardio_loader"):
+        from shardio import ShardDataset, ShardLoader
 
         ds = ShardDataset(spec["shards"], batch_size=BATCH, shuffle=True, transform=ShardioItem(fn))
+        if kind == "shardio_loader":
+            ring = {"ring_bytes": spec["ring_bytes"]} if spec.get("ring_bytes") else {}
+            loader = ShardLoader(ds, batch_size=BATCH, num_workers=WORKERS, **ring)
+            return loader, loader.set_epoch
         return DataLoader(ds, batch_size=BATCH, collate_fn=collate, **common), ds.set_epoch
     if kind == "smallfiles":
         ds = ImageFolderBytes(spec["src"], fn)
@@ -268,11 +289,39 @@ def _loader(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None]]:
     raise ValueError(f"unknown contender {kind!r}")
 
 
+def payload_of(nbytes: Any) -> int:
+    """A batch's payload bytes: an int (``collate_*``) or a per-sample tensor (default collate)."""
+    return int(nbytes.sum()) if hasattr(nbytes, "sum") else int(nbytes)
+
+
+def _is_shard_loader(loader: Any) -> bool:
+    from shardio import ShardLoader
+
+    return isinstance(loader, ShardLoader)
+
+
+def end_epoch(loader: Any, persistent: bool) -> None:
+    """After an epoch's loop (timed): a non-persistent ``ShardLoader`` stops its workers, as a
+    DataLoader with ``persistent_workers=False`` does when its iterator runs out."""
+    if not persistent and _is_shard_loader(loader):
+        loader.close()
+
+
 def _cpu() -> tuple[float, float]:
-    """CPU seconds (user + system) of this process and of its reaped children (the workers)."""
+    """CPU seconds (user + system) of this process, and of its workers: reaped children
+    (``getrusage``) plus live descendants (``psutil``; ShardLoader and persistent workers)."""
+    import psutil
+
     me = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+    live = 0.0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+        live += t.user + t.system
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime + live
 
 
 def child(spec: dict[str, Any]) -> int:
@@ -293,12 +342,15 @@ def child(spec: dict[str, Any]) -> int:
             end_mem: tuple[int, int, int] | None = None
             load = os.getloadavg()[0]
             (main0, kids0), samp0 = _cpu(), sampler.cpu_seconds
+            _x = labels = nbytes = None
             t0 = time.perf_counter()
             for _x, labels, nbytes in loader:
                 if first is None:
                     first = time.perf_counter() - t0
                 samples += len(labels)
-                payload += nbytes
+                payload += payload_of(nbytes)
+            del _x, labels, nbytes
+            end_epoch(loader, spec["persistent"])
             dt = time.perf_counter() - t0
             (main1, kids1), samp1 = _cpu(), sampler.cpu_seconds
             if spec["end_memory"]:
@@ -318,6 +370,8 @@ def child(spec: dict[str, Any]) -> int:
             if end_mem is not None:
                 ep.update(tree_rss=end_mem[0], tree_pss=end_mem[1], processes=end_mem[2])
             epochs.append(ep)
+        if _is_shard_loader(loader):
+            loader.close()
     print(json.dumps({"setup_seconds": setup, "baseline_pss": base_pss,
                       "peak_pss": sampler.peak_pss, "peak_rss": sampler.peak_rss,
                       "memory_samples": sampler.samples,
@@ -400,6 +454,8 @@ class Contender:
 LOADER_DESC = {
     "shardio": ("DataLoader(ShardDataset(batch_size=256, shuffle=True, transform=f), "
                 "batch_size=256)"),
+    "shardio_loader": ("ShardLoader(ShardDataset(batch_size=256, shuffle=True, transform=f), "
+                       "batch_size=256) (default collate into the shared-memory ring)"),
     "smallfiles": "DataLoader(ImageFolderBytes(src), batch_size=256, shuffle=True)",
     "wds_batched": ("WebLoader(WebDataset(tars, shardshuffle=len(tars)).shuffle(1000).to_tuple()"
                     ".map(f).batched(256), batch_size=None)"),
@@ -500,6 +556,9 @@ def summary_line(lines: dict[str, dict[str, Any]], growth: list[dict[str, Any]],
     raw_vs_files = round(sps("shardio_raw") / sps("smallfiles_raw"), 3)
     raw_vs_wds = round(sps("shardio_raw") / sps(f"{wds_best['raw']}_raw"), 3)
     decode_vs_wds = round(sps("shardio_decode") / sps(f"{wds_best['decode']}_decode"), 3)
+    loader_raw_vs_files = round(sps("shardio_loader_raw") / sps("smallfiles_raw"), 3)
+    loader_raw_vs_wds = round(sps("shardio_loader_raw") / sps(f"{wds_best['raw']}_raw"), 3)
+    loader_growth = [g for g in growth if g["contender"] == "shardio_loader"]
     shardio_growth = [g for g in growth if g["contender"] == "shardio"]
     rss_growth = max((g["rss_growth_pct"] for g in shardio_growth), default=None)
     steady = {g["contender"]: g["median_samples_per_s_after_epoch1"] for g in growth
@@ -518,6 +577,22 @@ def summary_line(lines: dict[str, dict[str, Any]], growth: list[dict[str, Any]],
         "shardio_rss_growth_pct": rss_growth,
         "shardio_pss_growth_pct": max((g["pss_growth_pct"] for g in shardio_growth),
                                       default=None),
+        "raw_shardio_loader_vs_smallfiles": loader_raw_vs_files,
+        "raw_shardio_loader_vs_webdataset": loader_raw_vs_wds,
+        "decode_shardio_loader_vs_webdataset": round(
+            sps("shardio_loader_decode") / sps(f"{wds_best['decode']}_decode"), 3),
+        "decode_shardio_loader_vs_smallfiles": round(
+            sps("shardio_loader_decode") / sps("smallfiles_decode"), 3),
+        "raw_shardio_loader_vs_shardio": round(sps("shardio_loader_raw") / sps("shardio_raw"), 3),
+        "decode_shardio_loader_vs_shardio": round(
+            sps("shardio_loader_decode") / sps("shardio_decode"), 3),
+        "raw_shardio_loader_vs_smallfiles_persistent_workers": (
+            round(steady["shardio_loader"] / steady["smallfiles"], 3)
+            if {"shardio_loader", "smallfiles"} <= set(steady) else None),
+        "shardio_loader_rss_growth_pct": max((g["rss_growth_pct"] for g in loader_growth),
+                                             default=None),
+        "shardio_loader_pss_growth_pct": max((g["pss_growth_pct"] for g in loader_growth),
+                                             default=None),
     }
     return {
         "bench": "read", "kind": "summary", **cfg,
@@ -533,6 +608,11 @@ def summary_line(lines: dict[str, dict[str, Any]], growth: list[dict[str, Any]],
             "raw_webdataset_vs_shardio": cpu_ratio(f"{wds_best['raw']}_raw", "shardio_raw"),
             "decode_webdataset_vs_shardio":
                 cpu_ratio(f"{wds_best['decode']}_decode", "shardio_decode"),
+            "raw_smallfiles_vs_shardio_loader": cpu_ratio("smallfiles_raw", "shardio_loader_raw"),
+            "raw_webdataset_vs_shardio_loader":
+                cpu_ratio(f"{wds_best['raw']}_raw", "shardio_loader_raw"),
+            "decode_webdataset_vs_shardio_loader":
+                cpu_ratio(f"{wds_best['decode']}_decode", "shardio_loader_decode"),
         },
         "max_load_1min": max(ln["max_load_1min"] for ln in lines.values()),
         "growth": {f"{g['contender']}_persistent_{g['persistent_workers']}".lower():
@@ -546,6 +626,10 @@ def summary_line(lines: dict[str, dict[str, Any]], growth: list[dict[str, Any]],
             "decode_shardio_ge_1_1x_webdataset": decode_vs_wds >= TARGETS["decode_vs_webdataset"],
             "shardio_rss_growth_lt_5pct":
                 rss_growth is not None and rss_growth < TARGETS["rss_growth_pct"],
+            "raw_shardio_loader_ge_2x_smallfiles":
+                loader_raw_vs_files >= TARGETS["raw_vs_smallfiles"],
+            "raw_shardio_loader_ge_4x_webdataset":
+                loader_raw_vs_wds >= TARGETS["raw_vs_webdataset"],
         },
         "notes": ("cpu_ratios: loader CPU per sample (main + workers, lowest run), other/shardio, "
                   "a load-independent cross-check when the machine is shared (max_load_1min); "
@@ -554,7 +638,9 @@ def summary_line(lines: dict[str, dict[str, Any]], growth: list[dict[str, Any]],
                   "per mode (webdataset_setup); growth = tree RSS after the last epoch vs after "
                   "epoch 1, worst of shardio with persistent_workers False and True; "
                   "raw_shardio_vs_smallfiles_persistent_workers compares the growth runs' median "
-                  "epoch after the first (no worker start-up)."),
+                  "epoch after the first (no worker start-up); shardio = DataLoader over "
+                  "ShardDataset, shardio_loader = ShardLoader (closed after each epoch when not "
+                  "persistent, so its worker start and stop are timed like the DataLoader's)."),
     }
 
 
@@ -573,7 +659,7 @@ def print_table(lines: Sequence[dict[str, Any]], growth: Sequence[dict[str, Any]
               f"{ln['first_batch_seconds']:>9.3f} {ln['peak_pss_mb']:>7.1f} "
               f"{ln['min_cpu_us_per_sample']:>10.1f}", file=err)
     for g in growth:
-        print(f"growth {g['contender']:<10} persistent={g['persistent_workers']!s:<5} "
+        print(f"growth {g['contender']:<14} persistent={g['persistent_workers']!s:<5} "
               f"{g['epochs']} epochs, {g['processes'][-1]} procs: tree RSS "
               f"{g['tree_rss_mb'][0]} -> {g['tree_rss_mb'][-1]} MB ({g['rss_growth_pct']:+.2f}%, "
               f"trend {g['rss_trend_pct']:+.2f}%), PSS {g['tree_pss_mb'][0]} -> "

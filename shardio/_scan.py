@@ -13,6 +13,7 @@ import stat as stat_mod
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from .errors import (
     BrokenSymlinkError,
@@ -29,9 +30,10 @@ from .errors import (
 __all__ = ["Sample", "ScanResult", "scan_source"]
 
 LABEL_FIELD = "cls"
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
     """One sample to pack: its key and ``(field, path, size, mtime_ns)`` per file, field-sorted."""
 
@@ -64,6 +66,8 @@ class _Problems:
 
 
 def _utf8(rel: str, problem: _Problems) -> bool:
+    if rel.isascii():  # nearly every name: no encode needed
+        return True
     try:
         rel.encode("utf-8")
     except UnicodeEncodeError:
@@ -75,60 +79,96 @@ def _utf8(rel: str, problem: _Problems) -> bool:
     return True
 
 
-def _walk(src: str, out: str, problem: _Problems) -> list[tuple[str, str, os.stat_result]]:
-    found: list[tuple[str, str, os.stat_result]] = []
+# (directory relative to SRC, file name, path, size, mtime_ns)
+_Found = tuple[str, str, str, int, int]
+_File = tuple[str, str, int, int]  # (field, path, size, mtime_ns), as in Sample.files
+
+
+def _walk(src: str, out: str, problem: _Problems) -> list[_Found]:
+    found: list[_Found] = []
     out_real = os.path.realpath(out)
+    by_name = attrgetter("name")
+    isdir, isreg = stat_mod.S_ISDIR, stat_mod.S_ISREG
 
     def visit(path: str, rel: str, ancestors: frozenset[tuple[int, int]]) -> None:
+        # The directory is listed through a descriptor so that each entry's stat is an fstatat
+        # relative to it, not a walk of the whole path again (~20% of a scan).
         try:
-            entries = sorted(os.scandir(path), key=lambda e: e.name)
+            dfd = os.open(path, _O_DIR)
         except OSError as exc:
             problem("unreadable", UnreadableFileError(
                 exc.errno, f"cannot list directory {path}: {exc.strerror}; fix its permissions or "
                 "pass --on-error skip"))
             return
+        try:
+            try:
+                with os.scandir(dfd) as it:
+                    entries = sorted(it, key=by_name)
+            except OSError as exc:
+                problem("unreadable", UnreadableFileError(
+                    exc.errno, f"cannot list directory {path}: {exc.strerror}; fix its permissions "
+                    "or pass --on-error skip"))
+                return
+            scan_dir(path, dfd, rel, ancestors, entries)
+        finally:
+            os.close(dfd)
+
+    def scan_dir(path: str, dfd: int, rel: str, ancestors: frozenset[tuple[int, int]],
+                 entries: list[os.DirEntry[str]]) -> None:
+        prefix = f"{rel}/" if rel else ""
+        base = path if path.endswith(os.sep) else path + os.sep  # os.path.join(path, name)
         for e in entries:
-            if e.name.startswith("."):
+            name = e.name
+            if name[0] == ".":
                 continue
-            erel = f"{rel}/{e.name}" if rel else e.name
             try:
                 st = e.stat(follow_symlinks=True)
             except FileNotFoundError:
                 if e.is_symlink():
                     problem("broken_symlink", BrokenSymlinkError(
-                        2, f"{e.path} is a symbolic link to {os.readlink(e.path)!r}, which does not "
-                        "exist; fix or remove the link, or pass --on-error skip"))
+                        2, f"{base + name} is a symbolic link to "
+                        f"{os.readlink(name, dir_fd=dfd)!r}, which does not exist; fix or remove "
+                        "the link, or pass --on-error skip"))
                 continue
             except OSError as exc:
                 if exc.errno == 40:  # ELOOP: a chain of links that never ends
                     problem("symlink_loop", SymlinkLoopError(
-                        exc.errno, f"{e.path}: too many levels of symbolic links; remove the loop "
-                        "or pass --on-error skip"))
+                        exc.errno, f"{base + name}: too many levels of symbolic links; remove the "
+                        "loop or pass --on-error skip"))
                 else:
                     problem("unreadable", UnreadableFileError(
-                        exc.errno, f"cannot stat {e.path}: {exc.strerror}; pass --on-error skip "
-                        "to leave it out"))
+                        exc.errno, f"cannot stat {base + name}: {exc.strerror}; pass --on-error "
+                        "skip to leave it out"))
                 continue
-            if not _utf8(erel, problem):
+            if not name.isascii() and not _utf8(prefix + name, problem):
                 continue
-            if stat_mod.S_ISDIR(st.st_mode):
+            mode = st.st_mode
+            if isreg(mode):
+                found.append((rel, name, base + name, st.st_size, st.st_mtime_ns))
+            elif isdir(mode):
+                full = base + name
                 ident = (st.st_dev, st.st_ino)
                 if ident in ancestors:
                     problem("symlink_loop", SymlinkLoopError(
-                        40, f"{e.path} links back to a directory above it ({os.path.realpath(e.path)}); "
+                        40, f"{full} links back to a directory above it ({os.path.realpath(full)}); "
                         "remove the link or pass --on-error skip"))
                     continue
-                if os.path.realpath(e.path) == out_real:
+                if os.path.realpath(full) == out_real:
                     continue
-                visit(e.path, erel, ancestors | {ident})
-            elif stat_mod.S_ISREG(st.st_mode):
-                found.append((erel, e.path, st))
+                visit(full, prefix + name, ancestors | {ident})
+
     root = os.stat(src)
-    visit(src, "", frozenset({(root.st_dev, root.st_ino)}))
+    try:
+        visit(src, "", frozenset({(root.st_dev, root.st_ino)}))
+    finally:
+        # visit and scan_dir refer to each other (a reference cycle through their closures,
+        # which hold ``found``): break it, or only the cyclic collector would free the walk's
+        # 20,000 entries later, traversing them all (~10 ms).
+        visit = scan_dir = None  # type: ignore[assignment]
     return found
 
 
-def _from_list(src: str, list_path: str, problem: _Problems) -> list[tuple[str, str, os.stat_result]]:
+def _from_list(src: str, list_path: str, problem: _Problems) -> list[_Found]:
     try:
         with open(list_path, "rb") as f:
             lines = f.read().splitlines()
@@ -169,7 +209,8 @@ def _from_list(src: str, list_path: str, problem: _Problems) -> list[tuple[str, 
                               "pass --on-error skip to leave it out"))
             continue
         if stat_mod.S_ISREG(st.st_mode):
-            found.append((rel, path, st))
+            d, base = os.path.split(rel)
+            found.append((d, base, path, st.st_size, st.st_mtime_ns))
     return found
 
 
@@ -185,9 +226,9 @@ def scan_source(
     """
     problem = _Problems(on_error)
     files = _from_list(src, files_from, problem) if files_from else _walk(src, out, problem)
-    by_key: dict[str, dict[str, tuple[str, str, int, int]]] = {}
-    for rel, path, st in files:
-        d, base = os.path.split(rel)
+    # key -> its one file (the common case: no dict per key), or {field: file} for several.
+    by_key: dict[str, _File | dict[str, _File]] = {}
+    for d, base, path, size, mtime in files:
         if "." not in base:
             problem("no_extension", SourceError(
                 f"{path} has no extension, so it has no field name; rename it (e.g. add .bin) or "
@@ -195,35 +236,50 @@ def scan_source(
             continue
         stem, ext = base.split(".", 1)
         key = f"{d}/{stem}" if d else stem
-        fields = by_key.setdefault(key, {})
-        if ext in fields:
+        entry = (ext, path, size, mtime)
+        have = by_key.get(key)
+        if have is None:
+            by_key[key] = entry
+            continue
+        if type(have) is tuple:
+            have = by_key[key] = {have[0]: have}
+        if ext in have:
             problem("duplicate_key", DuplicateKeyError(
-                f"two files give sample {key!r} field {ext!r}: {fields[ext][1]} and {path}; "
+                f"two files give sample {key!r} field {ext!r}: {have[ext][1]} and {path}; "
                 "rename one or pass --on-error skip"))
             continue
-        fields[ext] = (ext, path, st.st_size, st.st_mtime_ns)
+        have[ext] = entry
     labels: list[str] | None = None
+    cls_id: dict[str, int] = {}
     if label_from_dir:
         classes = sorted({k.split("/", 1)[0] for k in by_key if "/" in k})
         labels = classes
         cls_id = {c: i for i, c in enumerate(classes)}
     samples: list[Sample] = []
+    append = samples.append
     for key in sorted(by_key):
-        fields = by_key[key]
-        label = None
-        if label_from_dir:
-            if "/" not in key:
-                problem("no_class_dir", SourceError(
-                    f"sample {key!r} is not inside a class folder, so --label-from-dir cannot label "
-                    "it; move it into SRC/<class>/ or pass --on-error skip"))
-                continue
-            if LABEL_FIELD in fields:
-                problem("duplicate_key", DuplicateKeyError(
-                    f"sample {key!r} already has a {LABEL_FIELD!r} file, which --label-from-dir "
-                    "would overwrite; drop one of them"))
-                continue
-            label = cls_id[key.split("/", 1)[0]]
-        samples.append(Sample(key, [fields[f] for f in sorted(fields)], label))
+        have = by_key[key]
+        if type(have) is tuple:
+            fl = [have]
+            has_label_file = have[0] == LABEL_FIELD
+        else:
+            fl = [have[f] for f in sorted(have)]
+            has_label_file = LABEL_FIELD in have
+        if not label_from_dir:
+            append(Sample(key, fl))
+            continue
+        cls, slash, _rest = key.partition("/")
+        if not slash:
+            problem("no_class_dir", SourceError(
+                f"sample {key!r} is not inside a class folder, so --label-from-dir cannot label "
+                "it; move it into SRC/<class>/ or pass --on-error skip"))
+            continue
+        if has_label_file:
+            problem("duplicate_key", DuplicateKeyError(
+                f"sample {key!r} already has a {LABEL_FIELD!r} file, which --label-from-dir "
+                "would overwrite; drop one of them"))
+            continue
+        append(Sample(key, fl, cls_id[cls]))
     if not samples:
         raise EmptySourceError(
             f"no sample files found in {src}" + (f" (list {files_from})" if files_from else "")

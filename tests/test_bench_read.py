@@ -15,7 +15,7 @@ SCRIPT = ROOT / "benchmarks" / "bench_read.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-KINDS = {"shardio", "smallfiles", "wds_batched", "wds_dataloader"}
+KINDS = {"shardio", "shardio_loader", "smallfiles", "wds_batched", "wds_dataloader"}
 MODES = {"raw", "decode"}
 NUMBERS = ("seconds", "samples_per_s", "mb_per_s", "median_seconds", "median_samples_per_s",
            "median_mb_per_s", "first_batch_seconds", "peak_pss_mb", "peak_rss_sum_mb",
@@ -23,9 +23,13 @@ NUMBERS = ("seconds", "samples_per_s", "mb_per_s", "median_seconds", "median_sam
            "worker_cpu_seconds", "min_cpu_us_per_sample", "max_load_1min")
 RATIOS = ("raw_shardio_vs_smallfiles", "raw_shardio_vs_webdataset", "decode_shardio_vs_webdataset",
           "decode_shardio_vs_smallfiles", "raw_shardio_vs_webdataset_median",
-          "raw_shardio_vs_smallfiles_persistent_workers")
+          "raw_shardio_vs_smallfiles_persistent_workers", "raw_shardio_loader_vs_smallfiles",
+          "raw_shardio_loader_vs_webdataset", "decode_shardio_loader_vs_webdataset",
+          "decode_shardio_loader_vs_smallfiles", "raw_shardio_loader_vs_shardio",
+          "decode_shardio_loader_vs_shardio", "raw_shardio_loader_vs_smallfiles_persistent_workers")
 TARGETS = {"raw_shardio_ge_2x_smallfiles", "raw_shardio_ge_4x_webdataset",
-           "decode_shardio_ge_1_1x_webdataset", "shardio_rss_growth_lt_5pct"}
+           "decode_shardio_ge_1_1x_webdataset", "shardio_rss_growth_lt_5pct",
+           "raw_shardio_loader_ge_2x_smallfiles", "raw_shardio_loader_ge_4x_webdataset"}
 
 
 def _number(v: object) -> bool:
@@ -47,7 +51,7 @@ def test_quick_run_prints_contender_growth_and_summary_lines(tmp_path: Path) -> 
     contenders = [ln for ln in lines if ln["kind"] == "contender"]
     growth = [ln for ln in lines if ln["kind"] == "growth"]
     summary = lines[-1]
-    assert [ln["kind"] for ln in lines] == (["contender"] * 8 + ["growth"] * 4 + ["summary"])
+    assert [ln["kind"] for ln in lines] == (["contender"] * 10 + ["growth"] * 6 + ["summary"])
 
     expected = {(k, m) for k in KINDS for m in MODES}
     assert {(c["contender"], c["mode"]) for c in contenders} == expected
@@ -62,7 +66,7 @@ def test_quick_run_prints_contender_growth_and_summary_lines(tmp_path: Path) -> 
         assert c["peak_pss_mb"] > 0 and c["baseline_pss_mb"] > 0
 
     assert {(g["contender"], g["persistent_workers"]) for g in growth} == {
-        (k, p) for k in ("shardio", "smallfiles") for p in (False, True)}
+        (k, p) for k in ("shardio", "shardio_loader", "smallfiles") for p in (False, True)}
     for g in growth:
         assert g["mode"] == "raw" and g["epochs"] == 2
         for key in ("epoch_seconds", "samples_per_s", "tree_rss_mb", "tree_pss_mb", "processes"):
@@ -80,7 +84,8 @@ def test_quick_run_prints_contender_growth_and_summary_lines(tmp_path: Path) -> 
     assert set(summary["samples_per_s"]) == {f"{k}_{m}" for k in KINDS for m in MODES}
     for key in RATIOS:
         assert isinstance(summary["ratios"][key], float) and summary["ratios"][key] > 0, key
-    assert isinstance(summary["ratios"]["shardio_rss_growth_pct"], float)
+    for key in ("shardio_rss_growth_pct", "shardio_loader_rss_growth_pct"):
+        assert isinstance(summary["ratios"][key], float), key
     assert all(isinstance(v, float) and v > 0 for v in summary["cpu_ratios"].values())
     assert set(summary["targets"]) == TARGETS
     assert all(isinstance(v, bool) for v in summary["targets"].values())

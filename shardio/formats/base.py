@@ -23,11 +23,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
+from array import array
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import xxhash
 
 from .._fsutil import translate_oserror
@@ -43,6 +45,21 @@ from ..errors import (
 
 __all__ = ["IndexBuilder", "ShardIndex", "ShardReader", "ShardWriter", "WrittenShard"]
 
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    class _LazyNumpy:
+        """Stands in for numpy until first used, then replaces itself: writing a tar shard and its
+        index needs no numpy, and importing it costs about a tenth of a small pack's run time."""
+
+        def __getattr__(self, name: str) -> Any:
+            import numpy
+
+            globals()["np"] = numpy
+            return getattr(numpy, name)
+
+    np = _LazyNumpy()
+
 # This process's id, refreshed in forked children, so readers notice a fork (and reopen their
 # descriptors) without a getpid() system call per read.
 _PID = [os.getpid()]
@@ -51,6 +68,8 @@ os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 INDEX_MAGIC = b"SHARDIDX"
 INDEX_END = b"SHIDXEND"
 INDEX_VERSION = 1
+_BIG_ENDIAN = sys.byteorder == "big"
+_NATIVE = {"Q": "=u8", "H": "=u2", "B": "u1"}  # IndexBuilder column typecodes as numpy dtypes
 
 _ARRAYS: tuple[tuple[str, str], ...] = (
     ("key_offsets", "<u8"),
@@ -128,21 +147,8 @@ class ShardIndex:
     # --- standalone file -------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         arrays = [np.ascontiguousarray(getattr(self, n), dtype=dt) for n, dt in _ARRAYS]
-        header = {
-            "field_names": self.field_names,
-            "checksum": self.checksum,
-            "key_blob_len": len(self.key_blob),
-            "arrays": [[n, dt, int(a.shape[0])] for (n, dt), a in zip(_ARRAYS, arrays)],
-            "meta": self.meta,
-        }
-        hbytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        out = bytearray(INDEX_MAGIC + struct.pack("<II", INDEX_VERSION, len(hbytes)) + hbytes)
-        out += b"\0" * (-len(out) % 8)
-        for blob in [self.key_blob] + [a.tobytes() for a in arrays]:
-            out += blob
-            out += b"\0" * (-len(out) % 8)
-        out += struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(out))) + INDEX_END
-        return bytes(out)
+        return _index_bytes(self.field_names, self.checksum, self.key_blob,
+                            [(a.tobytes(), int(a.shape[0])) for a in arrays], self.meta)
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str = "<index>") -> ShardIndex:
@@ -191,46 +197,116 @@ class ShardIndex:
             raise bad(f"malformed header: {exc}") from exc
 
 
+def _index_bytes(field_names: list[str], checksum: str, key_blob: bytes,
+                 arrays: Sequence[tuple[bytes, int]], meta: dict[str, Any]) -> bytes:
+    """Serialize a standalone index; ``arrays`` holds ``(little-endian bytes, count)`` per
+    ``_ARRAYS`` entry, in that order."""
+    header = {
+        "field_names": field_names,
+        "checksum": checksum,
+        "key_blob_len": len(key_blob),
+        "arrays": [[n, dt, count] for (n, dt), (_b, count) in zip(_ARRAYS, arrays)],
+        "meta": meta,
+    }
+    hbytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    parts = [INDEX_MAGIC, struct.pack("<II", INDEX_VERSION, len(hbytes)), hbytes]
+    pos = 16 + len(hbytes)
+    for blob in [key_blob] + [b for b, _count in arrays]:
+        parts.append(b"\0" * (-pos % 8))
+        pos += -pos % 8
+        parts.append(blob)
+        pos += len(blob)
+    parts.append(b"\0" * (-pos % 8))
+    body = b"".join(parts)
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)) + INDEX_END
+
+
 class IndexBuilder:
-    """Accumulate index rows while a shard is written."""
+    """Accumulate index rows while a shard is written.
+
+    Columns are ``array.array``s of the index dtypes, so writing a standalone index
+    (:meth:`to_bytes`) needs no numpy.  A writer on a hot path may append a row to the public
+    columns (``f_name`` from :meth:`name_id`, ``f_flags`` ... ``f_checksum``) itself instead of
+    calling :meth:`add_field`; a sample's rows follow its :meth:`add_sample` call.
+    """
 
     def __init__(self, checksum: str) -> None:
         self.checksum = checksum
         self._names: dict[str, int] = {}
         self._keys = bytearray()
-        self._key_offsets = [0]
-        self._sample_start = [0]
-        self._rows: list[tuple[int, int, int, int, int, int]] = []
+        self._key_offsets = array("Q", [0])
+        self._starts = array("Q")  # row index where each sample begins
+        self.f_name = array("H")
+        self.f_flags = array("B")
+        self.f_offset = array("Q")
+        self.f_length = array("Q")
+        self.f_raw_length = array("Q")
+        self.f_checksum = array("Q")
 
     def add_sample(self, key: str) -> None:
         self._keys += key.encode("utf-8")
         self._key_offsets.append(len(self._keys))
-        self._sample_start.append(self._sample_start[-1])
+        self._starts.append(len(self.f_name))
 
     def add_field(
         self, name: str, flags: int, offset: int, length: int, raw_length: int, checksum: int
     ) -> None:
         nid = self._names.setdefault(name, len(self._names))
-        self._rows.append((nid, flags, offset, length, raw_length, checksum))
-        self._sample_start[-1] += 1
+        self.f_name.append(nid)
+        self.f_flags.append(flags)
+        self.f_offset.append(offset)
+        self.f_length.append(length)
+        self.f_raw_length.append(raw_length)
+        self.f_checksum.append(checksum)
+
+    def name_id(self, name: str) -> int:
+        """The ``f_name`` value of field ``name`` (registered on first use)."""
+        return self._names.setdefault(name, len(self._names))
 
     def __len__(self) -> int:
         return len(self._key_offsets) - 1
 
+    @property
+    def stored_bytes(self) -> int:
+        return sum(self.f_length)
+
+    def field_counts(self) -> dict[str, int]:
+        """Rows per field name, in order of first appearance."""
+        ids = Counter(self.f_name)
+        return {name: ids[i] for name, i in self._names.items() if ids[i]}
+
+    def _columns(self) -> list[array]:
+        sample_start = array("Q", self._starts)
+        sample_start.append(len(self.f_name))
+        return [self._key_offsets, sample_start, self.f_name, self.f_flags, self.f_offset,
+                self.f_length, self.f_raw_length, self.f_checksum]
+
+    def to_bytes(self, meta: dict[str, Any] | None = None) -> bytes:
+        """The standalone index file, byte for byte what ``build(meta).to_bytes()`` gives."""
+        parts = []
+        for col in self._columns():
+            if _BIG_ENDIAN and col.itemsize > 1:
+                col = array(col.typecode, col)
+                col.byteswap()
+            parts.append((col.tobytes(), len(col)))
+        return _index_bytes(list(self._names), self.checksum, bytes(self._keys), parts,
+                            dict(meta or {}))
+
     def build(self, meta: dict[str, Any] | None = None) -> ShardIndex:
-        rows = np.array(self._rows, dtype=np.uint64).reshape(-1, 6)
+        cols = [np.frombuffer(c, dtype=_NATIVE[c.typecode]).astype(dt)
+                for c, (_n, dt) in zip(self._columns(), _ARRAYS)]
         return ShardIndex(
             field_names=list(self._names),
             checksum=self.checksum,
             key_blob=bytes(self._keys),
-            key_offsets=np.array(self._key_offsets, dtype="<u8"),
-            sample_start=np.array(self._sample_start, dtype="<u8"),
-            f_name=rows[:, 0].astype("<u2"),
-            f_flags=rows[:, 1].astype("u1"),
-            f_offset=rows[:, 2].astype("<u8"),
-            f_length=rows[:, 3].astype("<u8"),
-            f_raw_length=rows[:, 4].astype("<u8"),
-            f_checksum=rows[:, 5].astype("<u8"),
+            key_offsets=cols[0],
+            sample_start=cols[1],
+            f_name=cols[2],
+            f_flags=cols[3],
+            f_offset=cols[4],
+            f_length=cols[5],
+            f_raw_length=cols[6],
+            f_checksum=cols[7],
             meta=dict(meta or {}),
         )
 

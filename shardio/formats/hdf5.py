@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .._fsutil import tmp_name, translate_oserror
-from ..checksum import file_digest, sample_checksum_fn
+from ..checksum import file_digest, new_digest, sample_checksum_fn
 from ..codec import Codec
 from ..errors import (
     IndexCorruptError,
@@ -51,6 +51,17 @@ def _h5py() -> Any:
     return h5py
 
 
+# A payload buffer kept between the shards one process writes: a fresh buffer per shard costs a
+# page fault per 4 KiB (the kernel zeroes each page) and an unmap when it is freed, about a fifth
+# of an HDF5 pack's time.  The packer drops it at the end (release_buffers).
+_SPARE: list[bytearray] = []
+
+
+def release_buffers() -> None:
+    """Free the payload buffer kept for the next shard."""
+    _SPARE.clear()
+
+
 class Hdf5Writer(ShardWriter):
     """Collect stored fields in memory (bounded by the shard size), write the file on close."""
 
@@ -63,20 +74,42 @@ class Hdf5Writer(ShardWriter):
         self._tmp = tmp_name(final)
         self._check = sample_checksum_fn(checksum)
         self._index = IndexBuilder(checksum)
-        self._payload = bytearray()
-        self._fields: dict[str, int] = {}
-        self._raw = 0
+        # The payload is _buf[:_used]; _buf is reused from the previous shard when there is one.
+        self._buf = _SPARE.pop() if _SPARE else bytearray()
+        self._used = 0
 
     def add(self, key: str, fields: Sequence[tuple[str, bytes]]) -> None:
-        self._index.add_sample(key)
+        index, buf, check, used = self._index, self._buf, self._check, self._used
+        encode = self.codec.encode if self.codec.name is not None else None
+        index.add_sample(key)
         for name, data in fields:
-            stored, flags = self.codec.encode(data)
-            self._index.add_field(
-                name, flags, len(self._payload), len(stored), len(data), self._check(stored)
-            )
-            self._payload += stored
-            self._fields[name] = self._fields.get(name, 0) + 1
-            self._raw += len(data)
+            if encode is None:
+                stored, flags = data, 0
+            else:
+                stored, flags = encode(data)
+            end = used + len(stored)
+            if end <= len(buf):  # room left in a recycled buffer: overwrite in place
+                buf[used:end] = stored
+            else:  # append: the buffer grows by realloc (mremap: no copy, no re-fault)
+                if used < len(buf):
+                    buf = self._truncate(used)
+                buf += stored
+            index.add_field(name, flags, used, len(stored), len(data), check(stored))
+            used = end
+        self._used = used
+
+    def _truncate(self, used: int) -> bytearray:
+        """Drop the stale tail of a recycled buffer, keeping the first ``used`` bytes."""
+        try:
+            del self._buf[used:]
+        except BufferError:  # still viewed (by an array from a failed close): start a new one
+            self._buf = bytearray(memoryview(self._buf)[:used])
+        return self._buf
+
+    def _recycle(self) -> None:
+        buf, self._buf, self._used = self._buf, bytearray(), 0
+        if len(buf) and (not _SPARE or len(_SPARE[0]) < len(buf)):
+            _SPARE[:] = [buf]
 
     def close(self, meta: dict[str, Any] | None = None) -> WrittenShard:
         h5py = _h5py()
@@ -88,10 +121,11 @@ class Hdf5Writer(ShardWriter):
                 f.attrs["checksum"] = index.checksum
                 f.attrs["field_names"] = np.array(index.field_names, dtype=h5py.string_dtype())
                 f.attrs["shardio_meta"] = json.dumps(index.meta, sort_keys=True)
-                f.create_dataset(
-                    "payload", data=np.frombuffer(bytes(self._payload), dtype=np.uint8),
-                    track_times=False,
-                )
+                # A view of the payload, not a copy: h5py writes straight from it.
+                view = np.frombuffer(self._buf, dtype=np.uint8, count=self._used)
+                payload = f.create_dataset("payload", data=view, track_times=False)
+                del view
+                payload_offset = payload.id.get_offset()
                 g = f.create_group("index", track_order=False)
                 g.create_dataset(
                     "key_blob", data=np.frombuffer(index.key_blob, dtype=np.uint8),
@@ -105,7 +139,7 @@ class Hdf5Writer(ShardWriter):
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            digest, size = file_digest(self._tmp)
+            digest, size = self._digest(payload_offset)
             os.replace(self._tmp, self.final)
         except OSError as exc:
             self.abort()
@@ -113,14 +147,35 @@ class Hdf5Writer(ShardWriter):
         except BaseException:
             self.abort()
             raise
-        self._payload = bytearray()
+        self._recycle()
         return WrittenShard(
             path=self.final, index_path=None, samples=len(index), bytes=size, digest=digest,
-            index_digest="", stored_bytes=index.stored_bytes, raw_bytes=self._raw,
-            fields=dict(self._fields),
+            index_digest="", stored_bytes=index.stored_bytes, raw_bytes=index.raw_bytes,
+            fields=self._index.field_counts(),
         )
 
+    def _digest(self, payload_offset: int | None) -> tuple[str, int]:
+        """``file_digest`` of the written file, hashing the payload from memory: the file is
+        read back only around it (the few KiB of HDF5 metadata), not the whole shard."""
+        n = self._used
+        if not n or payload_offset is None:
+            return file_digest(self._tmp)
+        h = new_digest()
+        with open(self._tmp, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if payload_offset + n > size:
+                return file_digest(self._tmp)
+            head = os.pread(f.fileno(), payload_offset, 0)
+            tail = os.pread(f.fileno(), size - payload_offset - n, payload_offset + n)
+        if len(head) != payload_offset or len(head) + n + len(tail) != size:
+            return file_digest(self._tmp)
+        h.update(head)
+        h.update(memoryview(self._buf)[:n])
+        h.update(tail)
+        return h.hexdigest(), size
+
     def abort(self) -> None:
+        self._recycle()
         try:
             os.unlink(self._tmp)
         except FileNotFoundError:

@@ -1,0 +1,297 @@
+"""The pack's fast paths give exactly what the plain code gives, and fail the same way.
+
+* the background shard writer (writev in a thread): errors mid-shard (disk full, an unreadable
+  file) still raise typed errors and leave no temp file;
+* the forked worker pool: same bytes for any worker count, a worker's error raised typed in the
+  parent, a dead worker reported, task claims handed out once each;
+* the text-built job fingerprint, the hoisted size estimates and the numpy-free index writer
+  against the reference implementations (``json.dumps``, ``_estimate``, ``ShardIndex.to_bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardio
+import shardio.formats.tar as tar_format
+from shardio import packer
+from shardio._scan import scan_source
+from shardio.config import PackOptions
+from shardio.errors import ShardioError, StorageFullError, UnreadableFileError
+from shardio.formats.base import IndexBuilder, ShardIndex
+from tests.test_pack import (
+    assert_nothing_published,
+    file_bytes,
+    random_tree,
+    read_back,
+    temp_files,
+    write_files,
+)
+
+
+@pytest.fixture
+def small_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flush every 4 KiB, so even a small shard goes through the background writer."""
+    monkeypatch.setattr(tar_format, "_FLUSH", 4096)
+
+
+def _odd_tree(root: Path) -> Path:
+    """Long names (pax headers), non-ASCII names, several fields, compressible text."""
+    files: dict[str, bytes] = {}
+    for c in ["a", "b", "ü"]:
+        for i in range(12):
+            stem = f"x{i}" + "L" * (110 if i % 4 == 0 else 0) + ("é" if i % 3 == 0 else "")
+            files[f"{c}/{stem}.txt"] = (f"hello {i} " * (i * 40)).encode()
+            if i % 2:
+                files[f"{c}/{stem}.json"] = json.dumps({"i": i}).encode()
+    return write_files(root, files)
+
+
+# --- background writer ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_background_writer_disk_full(small_tmpfs: Path, tmp_path: Path, small_flush: None,
+                                     workers: int) -> None:
+    # One big shard per worker: ENOSPC comes back from the writer thread, mid-shard.
+    src = random_tree(tmp_path / "src", 40, 90_000, 110_000)
+    out = small_tmpfs / "ds"
+    with pytest.raises(StorageFullError) as ei:
+        shardio.pack(src, out, samples_per_shard=20, workers=workers)
+    assert "free space" in str(ei.value) and ei.value.errno is not None
+    assert_nothing_published(out)
+    assert temp_files(small_tmpfs) == []
+
+
+def _unreadable_after_scan(monkeypatch: pytest.MonkeyPatch, victim: Path) -> None:
+    """Turn ``victim`` into a directory once the scan has listed it as a file: opening it then
+    works (even as root) and reading it fails with EISDIR, in the middle of a shard."""
+    real = packer.scan_source
+
+    def scan_then_break(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        victim.unlink()
+        victim.mkdir()
+        return result
+
+    monkeypatch.setattr(packer, "scan_source", scan_then_break)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_unreadable_mid_shard_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     small_flush: None, workers: int) -> None:
+    src = random_tree(tmp_path / "src", 60, 3000, 9000, dirs=2)
+    victim = src / "d0" / "f00030.bin"
+    _unreadable_after_scan(monkeypatch, victim)
+    out = tmp_path / "out"
+    with pytest.raises(UnreadableFileError) as ei:
+        shardio.pack(src, out, samples_per_shard=30, workers=workers)
+    assert "f00030.bin" in str(ei.value) and "--on-error skip" in str(ei.value)
+    assert isinstance(ei.value, OSError)
+    assert_nothing_published(out)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_unreadable_mid_shard_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      small_flush: None, workers: int) -> None:
+    src = random_tree(tmp_path / "src", 60, 3000, 9000, dirs=2)
+    victim = src / "d0" / "f00030.bin"
+    expected = {k: v for k, v in _samples(src).items() if k != "d0/f00030"}
+    _unreadable_after_scan(monkeypatch, victim)
+    out = tmp_path / "out"
+    m = shardio.pack(src, out, samples_per_shard=30, workers=workers, on_error="skip")
+    assert m.stats["skipped"] == {"unreadable": 1}
+    assert read_back(out) == expected
+    assert temp_files(out) == []
+
+
+def _samples(src: Path) -> dict[str, dict[str, bytes]]:
+    found = {}
+    for p in sorted(src.rglob("*.bin")):
+        rel = p.relative_to(src).as_posix()
+        found[rel.split(".", 1)[0]] = {"bin": p.read_bytes()}
+    return found
+
+
+def test_file_that_grew_after_the_scan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       small_flush: None) -> None:
+    src = random_tree(tmp_path / "src", 20, 3000, 5000, dirs=1)
+    grown = src / "d0" / "f00007.bin"
+    real = packer.scan_source
+
+    def scan_then_grow(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        with open(grown, "ab") as f:
+            f.write(b"more" * 5000)
+        return result
+
+    monkeypatch.setattr(packer, "scan_source", scan_then_grow)
+    out = tmp_path / "out"
+    shardio.pack(src, out, samples_per_shard=8)
+    assert read_back(out)["d0/f00007"]["bin"] == grown.read_bytes()
+
+
+# --- forked workers ------------------------------------------------------------------------
+
+
+def test_worker_count_does_not_change_bytes(tmp_path: Path) -> None:
+    src = random_tree(tmp_path / "src", 300, 100, 3000, dirs=5)
+    outs = []
+    for workers in (1, 2, 3, 8):
+        out = tmp_path / f"w{workers}"
+        shardio.pack(src, out, samples_per_shard=7, workers=workers, fsync=False)
+        outs.append(file_bytes(out))
+    assert all(o == outs[0] for o in outs[1:])
+    assert len([n for n in outs[0] if n.endswith(".tar")]) == 43
+
+
+def test_dead_worker_is_reported_and_resumable(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    src = random_tree(tmp_path / "src", 40, 100, 2000)
+    out = tmp_path / "out"
+    parent = os.getpid()
+    real = packer._pack_shard
+
+    def die_in_child(task: Any, *args: Any) -> Any:
+        if os.getpid() != parent:  # the worker dies on its first task, before opening a file
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.05)  # the parent is slow: the worker surely claims a task
+        return real(task, *args)
+
+    monkeypatch.setattr(packer, "_pack_shard", die_in_child)
+    with pytest.raises(ShardioError) as ei:
+        shardio.pack(src, out, samples_per_shard=4, workers=2)
+    assert "died" in str(ei.value) and "resume" in str(ei.value)
+    assert not (out / "manifest.json").exists()
+    monkeypatch.setattr(packer, "_pack_shard", real)
+    shardio.pack(src, out, samples_per_shard=4, workers=2)
+    clean = tmp_path / "clean"
+    shardio.pack(src, clean, samples_per_shard=4)
+    assert file_bytes(out) == file_bytes(clean)
+    assert temp_files(out) == []
+
+
+def test_worker_error_keeps_its_type_and_traceback(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    src = random_tree(tmp_path / "src", 40, 100, 2000)
+    parent = os.getpid()
+    real = packer._pack_shard
+
+    def fail_in_child(task: Any, *args: Any) -> Any:
+        if os.getpid() != parent:
+            raise UnreadableFileError(13, "cannot read /x/y.bin: Permission denied")
+        time.sleep(0.05)  # the parent is slow: a worker surely claims a task
+        return real(task, *args)
+
+    monkeypatch.setattr(packer, "_pack_shard", fail_in_child)
+    with pytest.raises(UnreadableFileError) as ei:
+        shardio.pack(src, tmp_path / "out", samples_per_shard=4, workers=3)
+    assert ei.value.errno == 13 and "y.bin" in str(ei.value)
+    notes = getattr(ei.value, "__notes__", [""])
+    assert "pack worker" in notes[0]
+    assert_nothing_published(tmp_path / "out")
+
+
+@pytest.mark.parametrize("n", [1, 10, 20_000, 300_000])
+def test_claims_hand_out_each_task_once(n: int) -> None:
+    claims = packer._Claims(n, 3)
+    try:
+        if claims.fd >= 0:  # a pipe: any process takes the next one
+            got = []
+            while (i := claims.take(len(got) % 3)) is not None:
+                got.append(i)
+            assert got == list(range(n))
+        else:  # too many for a pipe: a fixed stride per process
+            assert n * 4 > 1 << 20
+            assert [claims.take(1) for _ in range(3)] == [1, 4, 7]
+        claims.stop()
+        assert claims.take(0) is None
+    finally:
+        claims.close()
+
+
+# --- reference implementations --------------------------------------------------------------
+
+
+def _trees(tmp_path: Path) -> list[tuple[Path, bool]]:
+    mixed = write_files(tmp_path / "mixed", {
+        f"p{i % 3}/s{i:03d}.{ext}": os.urandom(i * 37 % 900)
+        for i in range(30) for ext in (["txt", "json"] + (["npy"] if i % 2 else []))
+    })
+    return [(random_tree(tmp_path / "r", 50, 0, 9000, dirs=3), True), (mixed, False),
+            (mixed, True), (_odd_tree(tmp_path / "odd"), True), (_odd_tree(tmp_path / "odd2"), False)]
+
+
+def test_estimates_match_reference(tmp_path: Path) -> None:
+    for src, label in _trees(tmp_path):
+        scan = scan_source(str(src), str(tmp_path / "o"), files_from=None, label_from_dir=label,
+                           on_error="raise")
+        for fmt in ("tar", "hdf5"):
+            for compress in (None, "zstd"):
+                opts = PackOptions(format=fmt, compress=compress, label_from_dir=label)
+                assert packer._estimates(scan.samples, opts) == \
+                    [packer._estimate(s, opts) for s in scan.samples]
+
+
+def _reference_document(key: dict[str, Any], labels: Any, samples: list[Any]) -> str:
+    return json.dumps({"options": key, "labels": labels, "files": [
+        [s.key, s.label, s.files and [[f[0], f[2], f[3]] for f in s.files]] for s in samples]},
+        sort_keys=True, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("name", ["plain", 'quo"te', "back\\slash", "tab\there", "déjà", "del\x7f"])
+def test_job_document_matches_json(tmp_path: Path, name: str) -> None:
+    src = write_files(tmp_path / "src", {
+        f"c{i % 2}/{name}{i}.{ext}": b"x" * i for i in range(6) for ext in ("a", "b.c")
+    })
+    for label in (False, True):
+        scan = scan_source(str(src), str(tmp_path / "o"), files_from=None, label_from_dir=label,
+                           on_error="raise")
+        key = PackOptions(label_from_dir=label).output_key()
+        assert packer._job_document(key, scan.labels, scan.samples) == \
+            _reference_document(key, scan.labels, scan.samples)
+
+
+def test_index_builder_bytes_match_shard_index() -> None:
+    rng = random.Random(7)
+    for rows in (0, 1, 500):
+        b = IndexBuilder("xxh3_64")
+        for i in range(rows):
+            if i % 3 == 0:
+                b.add_sample(f"key/{i}é")
+            b.add_field(rng.choice(["jpg", "cls", "json"]), rng.randint(0, 1), rng.randint(0, 2**40),
+                        rng.randint(0, 2**31), rng.randint(0, 2**31), rng.getrandbits(64))
+        meta = {"job_shard": "abc", "shard_bytes": 123}
+        idx = b.build(meta)
+        assert b.to_bytes(meta) == idx.to_bytes()
+        back = ShardIndex.from_bytes(b.to_bytes(meta))
+        assert back.keys() == idx.keys() and back.meta == meta
+        assert b.stored_bytes == idx.stored_bytes and len(b) == len(idx)
+        counts: dict[str, int] = {}
+        for n in idx.f_name:
+            counts[idx.field_names[int(n)]] = counts.get(idx.field_names[int(n)], 0) + 1
+        assert b.field_counts() == counts
+
+
+def test_hdf5_payload_buffer_reuse(tmp_path: Path) -> None:
+    # Shards of very different sizes in one process reuse one payload buffer: a smaller shard
+    # after a bigger one must not pick up the stale tail of the bigger one.
+    files = {f"c/s{i:03d}.bin": os.urandom(20_000 if i < 10 else 300) for i in range(40)}
+    src = write_files(tmp_path / "src", files)
+    out = tmp_path / "h5"
+    m = shardio.pack(src, out, format="hdf5", samples_per_shard=10, fsync=False)
+    assert [s.samples for s in m.shards] == [10, 10, 10, 10]
+    assert [s.bytes < 20_000 for s in m.shards] == [False, True, True, True]
+    assert read_back(out) == {k.split(".")[0]: {"bin": v} for k, v in files.items()}
+    assert shardio.verify_dataset(out) == []  # digests (hashed from memory) match the files
+    from shardio.formats import hdf5
+
+    assert hdf5._SPARE == []  # released at the end of the pack
