@@ -54,6 +54,26 @@ class _Arr(NamedTuple):
     tensor: bool
 
 
+class _Bytes(NamedTuple):
+    """A collated column of ``bytes``: one uint8 payload array plus int64 boundaries, written
+    out of band like arrays (pickling megabytes of payload in-band would copy it twice)."""
+
+    data: int
+    bounds: int
+
+
+def _put_bytes(items: Sequence[bytes]) -> Callable[[np.ndarray], None]:
+    def fill(dst: np.ndarray, items: Sequence[bytes] = items) -> None:
+        view = memoryview(dst)
+        pos = 0
+        for x in items:
+            n = len(x)
+            view[pos : pos + n] = x
+            pos += n
+
+    return fill
+
+
 def _align(n: int) -> int:
     return n + (-n % ALIGN)
 
@@ -185,6 +205,12 @@ def _col(items: Sequence[Any], acc: _Acc) -> Any:
     if isinstance(first, (float, np.floating)):
         arr = np.asarray(items, dtype=np.float64)
         return acc.add(arr.dtype, arr.shape, _copy_from(arr), True)
+    if isinstance(first, bytes) and all(type(x) is bytes for x in items):
+        bounds = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in items], out=bounds[1:])
+        u8 = np.dtype(np.uint8)
+        data = acc.add(u8, (int(bounds[-1]),), _put_bytes(items), False)
+        return _Bytes(data.index, acc.add(bounds.dtype, bounds.shape, _copy_from(bounds), False).index)
     if isinstance(first, dict):
         return {k: _col([d[k] for d in items], acc) for k in first}
     if isinstance(first, (list, tuple)) and all(len(x) == len(first) for x in items):
@@ -237,6 +263,12 @@ def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
         off, nbytes = table[x.index]
         arr = buf[off : off + nbytes].view(np.dtype(x.dtype)).reshape(x.shape)
         return to_tensor(arr) if (x.tensor and to_tensor is not None) else arr
+    if isinstance(x, _Bytes):
+        off, nbytes = table[x.data]
+        data = memoryview(buf[off : off + nbytes])
+        boff, bbytes = table[x.bounds]
+        bounds = buf[boff : boff + bbytes].view(np.int64).tolist()
+        return [bytes(data[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     if isinstance(x, dict):
         return {k: _build(v, buf, table, to_tensor) for k, v in x.items()}
     if isinstance(x, list):
