@@ -83,6 +83,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import add_output_args, emit  # noqa: E402
+
 from benchmarks.bench_read import (
     BATCH,
     WORKERS,
@@ -592,14 +594,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-bytes", default=None,
                    help="ring_bytes of the end-to-end ShardLoader runs (default: shardio's "
                         "default; the transfer runs always use the default)")
-    p.add_argument("--workdir", default=None,
-                   help="directory to work in (a fresh subdirectory is made; default system temp)")
-    p.add_argument("--keep", action="store_true", help="keep the generated tree and shards")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}, "
+    add_output_args(p, f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}, "
                         f"{QUICK['side']}x{QUICK['side']} transfer tensors")
-    p.add_argument("--json-out", default=None, metavar="PATH",
-                   help="also write the JSON lines here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -669,11 +665,7 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, side: int, shar
     }
     lines = [contender_line(c, cfg) for c in contenders]
     summary = summary_line({ln["name"]: ln for ln in lines}, cfg)
-    text = "".join(json.dumps(ln) + "\n" for ln in [*lines, summary])
-    sys.stdout.write(text)
-    sys.stdout.flush()
-    if json_out:
-        Path(json_out).write_text(text)
+    emit(lines, summary, json_out)
     print_table(lines, summary)
     return 0
 

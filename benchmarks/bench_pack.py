@@ -46,6 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import add_output_args, emit  # noqa: E402
+from benchmarks._common import dist_version as _dist_version  # noqa: E402
+
 SHARD_SIZE = "64MB"
 WDS_MAXSIZE = 64e6
 QUICK = {"files": 600, "classes": 10, "repeat": 1}
@@ -327,26 +330,12 @@ def _tool_version(cmd: Sequence[str]) -> str:
         return "unknown"
 
 
-def _dist_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--files", type=int, default=None, help="files to generate (default 20000)")
     p.add_argument("--classes", type=int, default=None, help="class folders (default 100)")
     p.add_argument("--repeat", type=int, default=None, help="runs per contender (default 3)")
-    p.add_argument("--workdir", default=None,
-                   help="directory to work in (a fresh subdirectory is made; default system temp)")
-    p.add_argument("--keep", action="store_true", help="keep the generated tree and work directory")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}")
-    p.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON lines here")
+    add_output_args(p, f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}")
     p.add_argument("--webdataset-child", nargs=2, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
     return p
 
@@ -416,11 +405,7 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, json_out: str |
     }
     lines = [contender_line(c, files, payload) for c in contenders]
     summary = summary_line({ln["contender"]: ln for ln in lines}, files, payload, cfg)
-    text = "".join(json.dumps(ln) + "\n" for ln in [*lines, summary])
-    sys.stdout.write(text)
-    sys.stdout.flush()
-    if json_out:
-        Path(json_out).write_text(text)
+    emit(lines, summary, json_out)
     print_table(lines, summary)
     return 0
 

@@ -91,6 +91,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import add_output_args, emit  # noqa: E402
+from benchmarks._common import dist_version as _dist_version  # noqa: E402
+
 BATCH = 256
 WORKERS = 2
 CROP = 64
@@ -677,15 +680,6 @@ def print_table(lines: Sequence[dict[str, Any]], growth: Sequence[dict[str, Any]
                                   for k, v in summary["targets"].items()), file=err)
 
 
-def _dist_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--files", type=int, default=None, help="files to generate (default 20000)")
@@ -696,14 +690,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", default=None, help="pack shard size (default 64MB)")
     p.add_argument("--sample-interval", type=float, default=0.1,
                    help="seconds between memory samples (default 0.1)")
-    p.add_argument("--workdir", default=None,
-                   help="directory to work in (a fresh subdirectory is made; default system temp)")
-    p.add_argument("--keep", action="store_true", help="keep the generated tree and shards")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}, "
+    add_output_args(p, f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}, "
                         f"{QUICK['growth_epochs']} growth epochs, {QUICK['shard_size']} shards")
-    p.add_argument("--json-out", default=None, metavar="PATH",
-                   help="also write the JSON lines here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -775,11 +763,7 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, growth_epochs: 
     }
     lines = [contender_line(c, data) for c in contenders]
     summary = summary_line({f"{ln['contender']}_{ln['mode']}": ln for ln in lines}, growth, cfg)
-    text = "".join(json.dumps(ln) + "\n" for ln in [*lines, *growth, summary])
-    sys.stdout.write(text)
-    sys.stdout.flush()
-    if json_out:
-        Path(json_out).write_text(text)
+    emit([*lines, *growth], summary, json_out)
     print_table(lines, growth, summary)
     return 0
 
