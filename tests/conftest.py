@@ -15,7 +15,17 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from shardio.topology import _LOCAL_VARS, _RANK_VARS  # noqa: E402
 from tools.make_dataset import make_images  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests mean a single process unless they say otherwise: a Slurm/torchrun/MPI rank
+    inherited from the environment the suite runs in must not leak into them."""
+    for pair in (*_RANK_VARS, *_LOCAL_VARS):
+        for var in pair:
+            monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture

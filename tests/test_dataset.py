@@ -49,16 +49,6 @@ FEW = 10  # samples of the `few` dataset: 2 shards, fewer than the ranks reading
 
 
 # --- helpers ---------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests that mean a single process must not pick up a Slurm/torchrun rank from outside."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
-                "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_RANK",
-                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def write_text_tree(src: Path, n: int, dirs: int = 5) -> None:
     for i in range(n):
         d = src / f"c{i % dirs}"

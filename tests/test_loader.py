@@ -69,15 +69,6 @@ _RING_NAME = re.compile(r"shardio-(\d+)-[0-9a-f]{16}")
 
 
 # --- helpers ---------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
-                "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_RANK",
-                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def our_rings() -> set[str]:
     out = set()
     for name in os.listdir(SHM):
