@@ -32,6 +32,13 @@ involved and say what to change.
     ├── DecodeError (ValueError)                 a field's bytes do not decode (malformed source)
     ├── ShardIOError (OSError)                   the OS failed a read or write (EIO, ...)
     │   └── StorageFullError                     ENOSPC / EDQUOT while writing
+    ├── UnrepairableError (ShardCorruptError)    every copy of a shard (cache, original, replicas,
+    │                                            parity) is bad or missing; policy "raise"
+    ├── LayoutError                              a Lustre layout blob is malformed, or a layout
+    │   │                                        could not be set (or was ignored)
+    │   └── LayoutNotAppliedError                Lustre kept another layout than the one asked for
+    ├── StagingError                             the node-local cache cannot be used as configured
+    ├── ParityError                              parity files are missing, corrupt or cannot rebuild
     ├── ShmSpaceError (OSError)                  /dev/shm or the memory cgroup cannot hold the rings
     ├── RingError                                a shared-memory ring (shardio.ring) failed
     │   ├── RingClosedError (EOFError)           the peer closed the ring (and it is drained)
@@ -54,6 +61,8 @@ __all__ = [
     "DuplicateKeyError",
     "EmptySourceError",
     "IndexCorruptError",
+    "LayoutError",
+    "LayoutNotAppliedError",
     "ManifestCorruptError",
     "ManifestError",
     "ManifestNotFoundError",
@@ -65,6 +74,7 @@ __all__ = [
     "NotATarError",
     "OutputInsideSourceError",
     "OutputNotEmptyError",
+    "ParityError",
     "RingClosedError",
     "RingCorruptError",
     "RingError",
@@ -78,9 +88,11 @@ __all__ = [
     "ShardioError",
     "ShmSpaceError",
     "SourceError",
+    "StagingError",
     "StorageFullError",
     "SymlinkLoopError",
     "UnreadableFileError",
+    "UnrepairableError",
     "UnsafePathError",
     "UsageError",
     "WorkerCrashedError",
@@ -210,6 +222,39 @@ class ShardIOError(ShardioError, OSError):
 
 class StorageFullError(ShardIOError):
     """The target filesystem ran out of space or quota while writing."""
+
+
+class UnrepairableError(ShardCorruptError):
+    """Every copy of a shard (node cache, original, replicas, parity) was bad or missing.
+
+    Attributes:
+        shard: the shard's manifest path.
+        attempts: ``(source, reason)`` for each copy tried, in order.
+    """
+
+    def __init__(self, shard: str, attempts: list[tuple[str, str]]) -> None:
+        self.shard, self.attempts = shard, list(attempts)
+        tried = "; ".join(f"{src}: {why}" for src, why in self.attempts) or "no copy configured"
+        super().__init__(
+            f"shard {shard}: no good copy left ({tried}); add a replica (replicas=[...] or "
+            "`shardio repair --replica DIR`), pack with --parity, or set on_corrupt='skip'"
+        )
+
+
+class LayoutError(ShardioError):
+    """A Lustre layout (``lustre.lov`` xattr) is malformed, or setting one failed."""
+
+
+class LayoutNotAppliedError(LayoutError):
+    """Lustre kept a different layout than the one requested (set after the file had objects)."""
+
+
+class StagingError(ShardioError):
+    """The node-local cache directory cannot be used as configured (missing, not writable, ...)."""
+
+
+class ParityError(ShardioError):
+    """Parity data is missing or corrupt, or too many shards of a group are lost to rebuild."""
 
 
 class ShmSpaceError(ShardioError, OSError):
