@@ -16,6 +16,7 @@
                   "stored_bytes": ..., "raw_bytes": ...}, ...],
       "stats": {...},                                    # pack summary (informational)
       "job": "..." | null,                               # fingerprint of the pack job
+      "parity": {...},                                   # only with --parity K+M (shardio.parity)
       "manifest_digest": "..."                           # xxh3_128 of the canonical JSON of the rest
     }
 
@@ -75,6 +76,7 @@ class Manifest:
     labels: dict[str, Any] | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     job: str | None = None
+    parity: dict[str, Any] | None = None
     version: int = FORMAT_VERSION
     created_by: str = ""
 
@@ -106,6 +108,8 @@ class Manifest:
             "stats": self.stats,
             "job": self.job,
         }
+        if self.parity is not None:
+            body["parity"] = self.parity
         body["manifest_digest"] = _body_digest(body)
         return body
 
@@ -160,6 +164,7 @@ class Manifest:
                 labels=data.get("labels"),
                 stats=dict(data.get("stats") or {}),
                 job=data.get("job"),
+                parity=data.get("parity"),
                 version=version,
                 created_by=str(data.get("created_by", "")),
             )
