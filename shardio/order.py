@@ -35,7 +35,7 @@ import numpy as np
 
 from .errors import UsageError
 
-__all__ = ["REMAINDER", "EpochOrder", "RankPlan"]
+__all__ = ["REMAINDER", "EpochOrder", "NodeSchedule", "RankPlan", "node_schedule"]
 
 REMAINDER = ("pad", "drop")
 
@@ -168,3 +168,65 @@ class RankPlan:
         if batches < self.num_batches:
             return batches * self.world_size * self.batch_size
         return self.remaining
+
+
+@dataclass(frozen=True)
+class NodeSchedule:
+    """When one node reads each shard in one epoch: the input of the node-local stager.
+
+    Time is the epoch position of a step's first sample (``t * R * B`` for step ``t``), the
+    same for every rank and worker of the job at that step, so readers can report progress as
+    one number and the stager can compare it across processes.  ``shards[k]`` is read by this
+    node from step position ``first[k]`` to ``last[k]`` inclusive; sorted by ``first``.
+    """
+
+    epoch: int
+    shards: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    bytes_per_step: int = 0
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+
+def node_schedule(order: EpochOrder, *, world_size: int = 1, local_world_size: int = 1,
+                  node: int = 0, batch_size: int = 1, remainder: str = "pad") -> NodeSchedule:
+    """The shards node ``node`` reads in ``order``'s epoch and when (see :class:`NodeSchedule`).
+
+    The node's ranks are ``node * local_world_size ...`` (consecutive, as torchrun and Slurm
+    number them), so at each step the node reads one contiguous slice of the epoch order.
+    Memory is one int64 per sample the node reads.
+    """
+    n = len(order)
+    plan = RankPlan(n, world_size, 0, batch_size, remainder)
+    steps = plan.num_batches
+    if steps == 0 or n == 0:
+        empty = np.zeros(0, np.int64)
+        return NodeSchedule(order.epoch, empty, empty, empty)
+    t = np.arange(steps, dtype=np.int64)
+    b = np.minimum(batch_size, plan.per_rank - t * batch_size)
+    step_pos = t * world_size * batch_size
+    first_rank = node * local_world_size
+    ranks = max(0, min(local_world_size, world_size - first_rank))
+    start = step_pos + first_rank * b
+    length = ranks * b
+    total = int(length.sum())
+    if total == 0:
+        empty = np.zeros(0, np.int64)
+        return NodeSchedule(order.epoch, empty, empty, empty)
+    # positions = concatenation of arange(start[t], start[t] + length[t]) without a Python loop
+    rep_start = np.repeat(start - np.concatenate([[0], np.cumsum(length)[:-1]]), length)
+    positions = (np.arange(total, dtype=np.int64) + rep_start) % n
+    times = np.repeat(step_pos, length)
+    ids = order.samples(0, n)[positions]
+    shard_of = np.searchsorted(order.offsets, ids, side="right") - 1
+    # first/last time per shard
+    k = np.argsort(shard_of, kind="stable")
+    s_sorted, t_sorted = shard_of[k], times[k]
+    cut = np.flatnonzero(np.diff(s_sorted)) + 1
+    lo = np.concatenate([[0], cut])
+    hi = np.concatenate([cut, [len(s_sorted)]]) - 1
+    shards, first, last = s_sorted[lo], t_sorted[lo], t_sorted[hi]
+    by_first = np.argsort(first, kind="stable")
+    return NodeSchedule(order.epoch, shards[by_first], first[by_first], last[by_first])

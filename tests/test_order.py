@@ -304,3 +304,31 @@ def test_epoch_order_matches_dataset_delivery(class_sorted: Path) -> None:
     order = EpochOrder(np.diff(ds.reader.offsets), seed=5, epoch=2, shuffle_block=128)
     assert keys == [manifest_keys[i] for i in full(order)]
     assert os.path.isdir(ds.path)
+
+
+@pytest.mark.parametrize("world,local,batch", [(4, 2, 3), (6, 2, 2), (3, 3, 4), (5, 2, 1), (1, 1, 8)])
+def test_node_schedule_matches_the_rank_plans_of_its_ranks(world, local, batch):
+    from shardio.order import node_schedule
+
+    counts = np.array([10, 7, 13, 5, 9, 11, 6, 8])
+    order = EpochOrder(counts, seed=1, epoch=2, shuffle_block=30)
+    n = len(order)
+    ids = order.samples(0, n)
+    covered = set()
+    for node in range(-(-world // local)):
+        sched = node_schedule(order, world_size=world, local_world_size=local, node=node,
+                              batch_size=batch)
+        expect: dict[int, tuple[int, int]] = {}
+        for r in range(node * local, min(world, (node + 1) * local)):
+            plan = RankPlan(n, world, r, batch)
+            for t in range(plan.num_batches):
+                a, b = plan.batch_range(t)
+                for pos in range(a, b):
+                    s = int(np.searchsorted(order.offsets, ids[pos % n], side="right") - 1)
+                    f, l = expect.get(s, (t * world * batch,) * 2)
+                    expect[s] = (min(f, t * world * batch), max(l, t * world * batch))
+        got = {int(s): (int(f), int(l)) for s, f, l in zip(sched.shards, sched.first, sched.last)}
+        assert got == expect
+        assert list(sched.first) == sorted(sched.first)
+        covered |= set(got)
+    assert covered == set(range(len(counts)))
