@@ -8,6 +8,7 @@
  *   load_u32(buf, off)                    seq_cst load
  *   store_u32(buf, off, val)              seq_cst store
  *   fetch_add_u32(buf, off, v)            seq_cst fetch-and-add; returns the old value (mod 2**32)
+ *   fetch_add_u64(buf, off, v)            seq_cst fetch-and-add on a u64; returns the old value
  *   fence()                               seq_cst thread fence
  *   futex_wait(buf, off, expected, timeout_s=None) -> bool
  *                                         FUTEX_WAIT (shared, not PRIVATE: the word lives in memory
@@ -183,6 +184,23 @@ fetch_add_u32(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
+fetch_add_u64(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    uint64_t v;
+    if (check_nargs("fetch_add_u64", nargs, 3, 3) < 0 || as_unsigned(args[2], 64, &v) < 0) {
+        return NULL;
+    }
+    uint64_t *p = word_addr(args[0], args[1], 8, 1, &view);
+    if (p == NULL) {
+        return NULL;
+    }
+    uint64_t old = __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(old);
+}
+
+static PyObject *
 fence(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_nargs("fence", nargs, 0, 0) < 0) {
@@ -298,6 +316,9 @@ static PyMethodDef atomics_methods[] = {
      "store_u32(buf, off, val)\n\nSequentially consistent store of the aligned u32 at off."},
     {"fetch_add_u32", (PyCFunction)(void (*)(void))fetch_add_u32, METH_FASTCALL,
      "fetch_add_u32(buf, off, v) -> int\n\nSequentially consistent add to the u32 at off; returns "
+     "the old value."},
+    {"fetch_add_u64", (PyCFunction)(void (*)(void))fetch_add_u64, METH_FASTCALL,
+     "fetch_add_u64(buf, off, v) -> int\n\nSequentially consistent add to the u64 at off; returns "
      "the old value."},
     {"fence", (PyCFunction)(void (*)(void))fence, METH_FASTCALL,
      "fence()\n\nSequentially consistent thread fence."},

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from ._fsutil import resolve_in
+from ._fsutil import resolve_in, translate_oserror
 from .checksum import digest_bytes
 from .codec import Codec
-from .errors import ManifestCorruptError, ShardNotFoundError, ShardTruncatedError
+from .errors import (
+    ManifestCorruptError,
+    MissingDependencyError,
+    ParityError,
+    ShardNotFoundError,
+    ShardTruncatedError,
+    UnrepairableError,
+)
 from .formats import ShardIndex, ShardReader, load_index
 from .manifest import Manifest
+from .repair import FAULTS, Copy, CopyLadder
 
 __all__ = ["DatasetReader", "open_dataset"]
 
@@ -46,18 +54,29 @@ def load_codec(root: str, manifest: Manifest) -> Codec:
 
 
 class DatasetReader:
-    """Read samples of a shardio dataset by global index or shard by shard.
+    """Read samples of a shardio dataset by global index or shard by shard, with self-repair.
 
     Indexes load lazily, one per shard touched, and are kept as numpy arrays.  The object pickles
-    without open descriptors, so it can be handed to worker processes.
+    without open descriptors, so it can be handed to worker processes.  Each shard is read from
+    the first good copy on its ladder (node cache, original, replicas, parity; see
+    :mod:`shardio.repair`); a fault on one copy retries the same samples on the next.
 
     Args:
         root: dataset directory (holding ``manifest.json``).
         verify: check each field's checksum on read.
+        max_open_shards: shard readers (descriptor + index) kept open per process.
+        cache: a :class:`shardio.stage.NodeCache` whose staged copies are read first.
+        replicas: directories holding byte-identical copies of the dataset.
+        quarantine: allow replacing a bad original with a verified good copy.
+        on_corrupt: ``"raise"`` or ``"skip"`` when no good copy of a sample exists.
+        read_block: size of coalesced sequential reads (raised to a multiple of the Lustre
+            stripe size when the shards are on Lustre).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, verify: bool = True,
-                 max_open_shards: int = 64) -> None:
+                 max_open_shards: int = 64, cache: Any = None, replicas: Sequence[str] = (),
+                 quarantine: bool = False, on_corrupt: str = "raise",
+                 read_block: int = 8 << 20) -> None:
         self.root = os.fspath(root)
         self.max_open_shards = max_open_shards
         self.manifest = Manifest.load(self.root)
@@ -65,7 +84,13 @@ class DatasetReader:
         self.codec = load_codec(self.root, self.manifest)
         counts = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(counts)])
-        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+        self.ladder = CopyLadder(self.root, self.manifest, cache=cache, replicas=replicas,
+                                 quarantine=quarantine, on_corrupt=on_corrupt)
+        self.counters = self.ladder.counters
+        self.read_block = read_block
+        self._readers: OrderedDict[int, tuple[Copy, ShardReader]] = OrderedDict()
+        self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
+        self._advised: set[int] = set()
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -81,40 +106,97 @@ class DatasetReader:
         return self.shard(i).index
 
     def shard(self, i: int) -> ShardReader:
-        """Reader for shard ``i`` (cached).
+        """Reader for shard ``i`` on its first good copy (cached per process).
 
         Raises:
-            ShardNotFoundError, ShardTruncatedError, IndexCorruptError: the shard is unusable.
+            UnrepairableError: no copy of the shard could be opened.
         """
-        reader = self._readers.get(i)
-        if reader is not None:
+        got = self._readers.get(i)
+        if got is not None:
             self._readers.move_to_end(i)
-        else:
-            entry = self.manifest.shards[i]
-            path = self.shard_path(i)
+            return got[1]
+        return self._open(i)[1]
+
+    def _open(self, i: int) -> tuple[Copy, ShardReader]:
+        while True:
+            copies = self.ladder.copies(i)
+            if not copies:
+                raise self.ladder.give_up(i)
+            copy = copies[0]
             try:
-                size = os.stat(path).st_size
-            except FileNotFoundError as exc:
-                raise ShardNotFoundError(
-                    f"shard {path} listed in the manifest is missing; restore it from a copy or "
-                    "repack the dataset"
-                ) from exc
-            if size < entry.bytes:
-                raise ShardTruncatedError(
-                    f"shard {path} has {size} bytes, the manifest records {entry.bytes}; it was "
-                    "truncated: restore it from a good copy"
-                )
+                path = self.ladder.rebuild(i) if copy.kind == "parity" else copy.path
+                reader = self._open_copy(i, copy.kind, path)
+            except (*FAULTS, ParityError, MissingDependencyError) as exc:
+                self.ladder.failed(i, copy, exc)
+                continue
+            self._readers[i] = (copy, reader)
+            while len(self._readers) > self.max_open_shards:
+                j, (_, old) = self._readers.popitem(last=False)
+                old.close()
+                self._indexes.pop(j, None)
+                self._advised.discard(j)
+            return copy, reader
+
+    def _open_copy(self, i: int, kind: str, path: str) -> ShardReader:
+        entry = self.manifest.shards[i]
+        self.counters.add("stats")
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError as exc:
+            raise ShardNotFoundError(
+                f"shard {path} listed in the manifest is missing; restore it from a copy or "
+                "repack the dataset"
+            ) from exc
+        except OSError as exc:
+            raise translate_oserror(exc, path, "opening shard") from exc
+        if size < entry.bytes:
+            raise ShardTruncatedError(
+                f"shard {path} has {size} bytes, the manifest records {entry.bytes}; it was "
+                "truncated: restore it from a good copy"
+            )
+        index = self._indexes.get(i)
+        if index is None:
+            self.counters.add("opens")
             index = load_index(self.manifest.shard_format, path)
             if len(index) != entry.samples:
                 raise ManifestCorruptError(
                     f"shard {path} indexes {len(index)} samples, the manifest says "
                     f"{entry.samples}; the manifest and shard disagree: run `shardio verify`"
                 )
-            reader = ShardReader(path, index, self.codec, self.verify, entry.bytes)
-            self._readers[i] = reader
-            while len(self._readers) > self.max_open_shards:
-                self._readers.popitem(last=False)[1].close()
-        return reader
+            self._indexes[i] = index
+        self.counters.add("opens")
+        counter, slot = self.counters, f"bytes_{kind}"
+        return ShardReader(path, index, self.codec, self.verify, entry.bytes,
+                           read_block=self.read_block, on_read=lambda n: counter.add(slot, n),
+                           advice=os.POSIX_FADV_SEQUENTIAL if kind != "cache" else None)
+
+    def _drop(self, i: int) -> Copy | None:
+        got = self._readers.pop(i, None)
+        if got is None:
+            return None
+        got[1].close()
+        return got[0]
+
+    def _fault(self, i: int, exc: BaseException) -> None:
+        """The copy of shard ``i`` in use failed: move down the ladder (or give up)."""
+        copy = self._drop(i)
+        if copy is not None:
+            self.ladder.failed(i, copy, exc)
+
+    def willneed(self, shards: Iterable[int], limit: int = 4) -> None:
+        """Start background reads (``POSIX_FADV_WILLNEED``) of up to ``limit`` upcoming shards
+        not yet advised, opening them early; faults are left for the real read to handle."""
+        for i in shards:
+            if limit <= 0:
+                return
+            if i in self._advised:
+                continue
+            self._advised.add(i)
+            limit -= 1
+            try:
+                self.shard(i).willneed()
+            except (*FAULTS, UnrepairableError, OSError):
+                pass  # the real read meets the fault again and handles it
 
     def locate(self, i: int) -> tuple[int, int]:
         """``(shard, position in shard)`` of global sample ``i``."""
@@ -128,7 +210,9 @@ class DatasetReader:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         s, j = self.locate(i)
-        return self.shard(s)[j]
+        for sample in self._read_run(s, j, j + 1):
+            return sample
+        raise UnrepairableError(self.manifest.shards[s].path, [("all copies", "skipped")])
 
     def read_ids(self, ids: np.ndarray) -> Iterator[dict[str, Any]]:
         """Samples with global ids ``ids``, in that order; runs of consecutive ids in one shard
@@ -150,24 +234,56 @@ class DatasetReader:
             j = k
             while j < n - 1 and not cut[j]:
                 j += 1
-            reader = self.shard(shard_list[k])
+            s = shard_list[k]
             if j == k:
-                yield reader.get(local[k])
+                got = self._readers.get(s)
+                try:
+                    sample = (got[1] if got is not None else self.shard(s)).get(local[k])
+                except FAULTS:
+                    yield from self._read_run(s, local[k], local[k] + 1)
+                else:
+                    yield sample
             else:
-                yield from reader.iter_range(local[k], local[j] + 1)
+                yield from self._read_run(s, local[k], local[j] + 1)
             k = j + 1
 
+    def _read_run(self, s: int, first: int, stop: int) -> Iterator[dict[str, Any]]:
+        """Samples ``first..stop-1`` of shard ``s``, moving down the copy ladder on a fault and
+        re-reading from the sample that failed; with ``on_corrupt="skip"`` a sample no copy can
+        deliver is dropped and counted."""
+        k = first
+        while k < stop:
+            try:
+                copy, reader = self._readers.get(s) or self._open(s)
+            except (*FAULTS, UnrepairableError):
+                if self.ladder.on_corrupt == "raise":
+                    raise
+                self.counters.add("skipped_samples")
+                k += 1
+                continue
+            try:
+                for sample in reader.iter_range(k, stop):
+                    yield sample
+                    k += 1
+            except FAULTS as exc:
+                self._fault(s, exc)
+                continue
+            if copy.kind != "original":
+                self.ladder.recovered(s, copy)
+
     def iter_shard(self, i: int) -> Iterator[dict[str, Any]]:
-        return iter(self.shard(i))
+        return self._read_run(i, 0, int(self.offsets[i + 1] - self.offsets[i]))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for s in range(self.num_shards):
             yield from self.iter_shard(s)
 
     def close(self) -> None:
-        for r in self._readers.values():
+        for _, r in self._readers.values():
             r.close()
         self._readers.clear()
+        self._indexes.clear()
+        self._advised.clear()
 
     def __enter__(self) -> DatasetReader:
         return self
@@ -177,11 +293,13 @@ class DatasetReader:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_readers"] = OrderedDict()
+        state["_readers"], state["_indexes"], state["_advised"] = OrderedDict(), OrderedDict(), set()
         return state
 
 
 def open_dataset(root: str | os.PathLike[str], *, verify: bool = True,
-                 max_open_shards: int = 64) -> DatasetReader:
+                 max_open_shards: int = 64, replicas: Sequence[str] = (),
+                 quarantine: bool = False, on_corrupt: str = "raise") -> DatasetReader:
     """Open a packed dataset for random access; see :class:`DatasetReader`."""
-    return DatasetReader(root, verify=verify, max_open_shards=max_open_shards)
+    return DatasetReader(root, verify=verify, max_open_shards=max_open_shards,
+                         replicas=replicas, quarantine=quarantine, on_corrupt=on_corrupt)

@@ -26,7 +26,7 @@ import struct
 import sys
 from array import array
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -357,12 +357,17 @@ class ShardReader:
     """
 
     def __init__(self, path: str, index: ShardIndex, codec: Codec, verify: bool = True,
-                 expected_size: int | None = None) -> None:
+                 expected_size: int | None = None, *, read_block: int = 8 << 20,
+                 on_read: Callable[[int], None] | None = None,
+                 advice: int | None = None) -> None:
         self.path = path
         self.index = index
         self.codec = codec
         self.verify = verify
         self.expected_size = expected_size
+        self.read_block = read_block
+        self.on_read = on_read
+        self.advice = advice
         self._check = sample_checksum_fn(index.checksum)
         self._hfd: int | None = None
         self._hpid = -1
@@ -382,6 +387,8 @@ class ShardReader:
             except OSError as exc:
                 raise translate_oserror(exc, self.path, "opening shard") from exc
             size = os.fstat(fd).st_size
+            if self.advice is not None:
+                os.posix_fadvise(fd, 0, 0, self.advice)
             if self.expected_size is not None and size < self.expected_size:
                 os.close(fd)
                 raise ShardTruncatedError(
@@ -410,7 +417,14 @@ class ShardReader:
                 f"shard {self.path}: short read at offset {start} ({len(data)} of {n} bytes); "
                 "the shard is truncated: restore it from a good copy"
             )
+        if self.on_read is not None:
+            self.on_read(n)
         return data
+
+    def willneed(self) -> None:
+        """Ask the kernel to start reading the whole shard in the background
+        (``POSIX_FADV_WILLNEED``): issued for the shards a reader will open next."""
+        os.posix_fadvise(self._fd(), 0, 0, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         """Release the descriptor (it reopens on next use)."""
@@ -478,14 +492,19 @@ class ShardReader:
         """Samples in shard order, read in large blocks rather than one read per sample."""
         return self.iter_range(0, len(self.index))
 
-    def iter_range(self, first: int, stop: int, block: int = 8 << 20) -> Iterator[dict[str, Any]]:
-        """Samples ``first..stop-1`` in order, coalesced into reads of up to ``block`` bytes."""
+    def iter_range(self, first: int, stop: int, block: int | None = None
+                   ) -> Iterator[dict[str, Any]]:
+        """Samples ``first..stop-1`` in order, coalesced into reads that end at the next multiple
+        of ``block`` (default ``read_block``, the stripe-aligned size on Lustre): so sequential
+        reads are large and, after the first, aligned to the block."""
+        block = block or self.read_block
         lo, hi = self.index.spans()
         i = first
         while i < stop:
             start, end = int(lo[i]), int(hi[i])
+            limit = max(end, (start // block + 1) * block)
             j = i + 1
-            while j < stop and lo[j] >= start and hi[j] - start <= block:
+            while j < stop and lo[j] >= start and hi[j] <= limit:
                 end = max(end, int(hi[j]))
                 j += 1
             buf = self.read_span(start, end)
@@ -497,6 +516,7 @@ class ShardReader:
         state = dict(self.__dict__)
         state.pop("_check", None)
         state["_hfd"], state["_hpid"], state["_mv"] = None, -1, None
+        state["on_read"] = None  # a counter of the process that opened it
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

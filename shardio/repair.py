@@ -1,0 +1,410 @@
+"""Self-repair: the ladder of copies a shard is read from, the counters of every fault, and
+offline repair of a damaged dataset.
+
+Ladder (:class:`CopyLadder`), for shard ``i`` in order:
+
+    1. ``cache``     the node-local staged copy (:class:`shardio.stage.NodeCache`), when present;
+    2. ``original``  the shard in the dataset directory on the shared filesystem;
+    3. ``replica``   the same relative path under each directory of ``replicas=[...]``, in order;
+    4. ``parity``    a copy rebuilt from the other shards of its parity group (``--parity K+M``).
+
+Every copy of a shard is byte-identical (same manifest digest), so one index serves them all and
+a read that fails on one copy is retried, for the same samples, on the next: the caller sees the
+same samples in the same order.  A fault is a checksum mismatch, a short read (truncation), a
+missing file, an unreadable index or an I/O error (EIO).  What happens to the bad copy:
+
+* ``cache``: discarded (the stager copies it again);
+* ``original``: left alone unless ``quarantine=True``, then moved to ``<dataset>/.quarantine/``
+  and replaced (verified copy, atomic rename) by the first good copy;
+* ``replica``: left alone (it is not ours to change).
+
+Only when every copy fails does ``on_corrupt`` decide: ``"raise"`` (:class:`UnrepairableError`)
+or ``"skip"`` (the sample is dropped and counted).  Every event is counted in
+:class:`RepairCounters`, which live in shared memory inherited by forked workers, logged on the
+``shardio.repair`` logger, and reported by ``stats()``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import shutil
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._atomics import fetch_add_u64, load_u64
+from ._fsutil import resolve_in, tmp_name, translate_oserror
+from .checksum import file_digest
+from .errors import (
+    ChecksumMismatchError,
+    IndexCorruptError,
+    ManifestCorruptError,
+    ShardIOError,
+    ShardNotFoundError,
+    ShardTruncatedError,
+    UnrepairableError,
+    UsageError,
+)
+from .manifest import Manifest, ShardEntry
+
+__all__ = ["COUNTERS", "FAULTS", "CopyLadder", "RepairCounters", "RepairReport",
+           "fault_kind", "repair_dataset"]
+
+log = logging.getLogger("shardio.repair")
+
+FAULTS = (ChecksumMismatchError, ShardTruncatedError, ShardNotFoundError, IndexCorruptError,
+          ManifestCorruptError, ShardIOError)
+"""Exceptions that mean "this copy of the shard is bad": the ladder moves to the next copy."""
+
+COUNTERS = (
+    # faults seen, by kind
+    "checksum_mismatch", "truncated", "missing", "index_corrupt", "io_error",
+    # what was done about them
+    "failovers", "cache_discarded", "originals_restored", "quarantined", "parity_rebuilt",
+    "skipped_samples", "unrepairable",
+    # reads by source (metadata operations and bytes)
+    "opens", "stats", "bytes_cache", "bytes_original", "bytes_replica", "bytes_parity",
+)
+QUARANTINE_DIR = ".quarantine"
+REBUILT_DIR = ".shardio-rebuilt"
+
+
+def fault_kind(exc: BaseException) -> str:
+    """The counter a fault increments."""
+    if isinstance(exc, ChecksumMismatchError):
+        return "checksum_mismatch"
+    if isinstance(exc, ShardTruncatedError):
+        return "truncated"
+    if isinstance(exc, ShardNotFoundError):
+        return "missing"
+    if isinstance(exc, (IndexCorruptError, ManifestCorruptError)):
+        return "index_corrupt"
+    return "io_error"
+
+
+class RepairCounters:
+    """Event and I/O counters in an anonymous shared mapping: forked workers add to the same
+    numbers, atomically (u64 fetch-and-add), so the parent's ``stats()`` sees every event."""
+
+    def __init__(self) -> None:
+        self._buf = mmap.mmap(-1, 8 * len(COUNTERS))
+        self._slot = {name: 8 * k for k, name in enumerate(COUNTERS)}
+
+    def add(self, name: str, n: int = 1) -> None:
+        fetch_add_u64(self._buf, self._slot[name], n)
+
+    def get(self, name: str) -> int:
+        return load_u64(self._buf, self._slot[name])
+
+    def snapshot(self) -> dict[str, int]:
+        return {name: self.get(name) for name in COUNTERS}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled into a spawned process: the mapping cannot travel; that process counts alone.
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy of a shard on the ladder: ``kind`` in cache/original/replica/parity."""
+
+    kind: str
+    path: str
+
+
+class CopyLadder:
+    """Where the copies of each shard are, and what to do with a bad one.
+
+    Args:
+        root: dataset directory.
+        manifest: its manifest.
+        cache: a node cache (``lookup(i)``, ``discard(i, reason)``), or ``None``.
+        replicas: dataset directories holding byte-identical copies of the shards.
+        quarantine: allow moving a bad original aside and replacing it with a good copy.
+        on_corrupt: ``"raise"`` or ``"skip"`` once every copy failed.
+    """
+
+    def __init__(self, root: str, manifest: Manifest, *, cache: Any = None,
+                 replicas: Sequence[str] = (), quarantine: bool = False,
+                 on_corrupt: str = "raise", counters: RepairCounters | None = None) -> None:
+        if on_corrupt not in ("raise", "skip"):
+            raise UsageError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
+        self.root, self.manifest, self.cache = root, manifest, cache
+        self.replicas = tuple(os.fspath(r) for r in replicas)
+        self.quarantine, self.on_corrupt = quarantine, on_corrupt
+        self.counters = counters or RepairCounters()
+        self._bad: dict[int, set[str]] = {}
+        self._attempts: dict[int, list[tuple[str, str]]] = {}
+        self._last: dict[int, BaseException] = {}
+
+    def entry(self, i: int) -> ShardEntry:
+        return self.manifest.shards[i]
+
+    def original(self, i: int) -> str:
+        return resolve_in(self.root, self.entry(i).path)
+
+    def copies(self, i: int) -> list[Copy]:
+        """The copies of shard ``i`` not yet found bad, in ladder order (parity last, rebuilt on
+        demand by :meth:`rebuild`)."""
+        bad = self._bad.get(i, ())
+        out = []
+        if self.cache is not None:
+            cached = self.cache.lookup(i)
+            if cached is not None:
+                out.append(Copy("cache", cached))
+        out.append(Copy("original", self.original(i)))
+        rel = self.entry(i).path
+        out += [Copy("replica", resolve_in(r, rel)) for r in self.replicas]
+        if self.manifest.parity:
+            out.append(Copy("parity", self._rebuilt_path(i)))
+        return [c for c in out if c.path not in bad]
+
+    def failed(self, i: int, copy: Copy, exc: BaseException) -> None:
+        """Record that ``copy`` of shard ``i`` is bad; deal with it as the module docstring says."""
+        kind = fault_kind(exc)
+        self.counters.add(kind)
+        self.counters.add("failovers")
+        self._bad.setdefault(i, set()).add(copy.path)
+        self._attempts.setdefault(i, []).append((f"{copy.kind} {copy.path}", kind))
+        self._last[i] = exc
+        log.warning("shard %s: %s copy failed (%s: %s); trying the next copy",
+                    self.entry(i).path, copy.kind, kind, exc)
+        if copy.kind == "cache" and self.cache is not None:
+            self.cache.discard(i, kind)
+            self.counters.add("cache_discarded")
+
+    def recovered(self, i: int, copy: Copy) -> None:
+        """A read from ``copy`` succeeded after earlier copies failed: restore the original from
+        it when quarantine is allowed."""
+        if (copy.kind != "original" and self.quarantine
+                and self.original(i) in self._bad.get(i, ())):
+            if restore_original(self.root, self.entry(i), copy.path, self.counters):
+                self._bad[i].discard(self.original(i))
+
+    def give_up(self, i: int) -> Exception:
+        """The error for shard ``i`` once no copy is left; resets the ladder so the next sample
+        starts from the top again (a copy bad in one sample may be good in another).  With a
+        single copy configured that copy's own typed error is returned (it names the fix);
+        otherwise :class:`UnrepairableError` listing every attempt, chained to the last."""
+        self.counters.add("unrepairable")
+        attempts = self._attempts.pop(i, [])
+        last = self._last.pop(i, None)
+        self._bad.pop(i, None)
+        if len(attempts) == 1 and isinstance(last, Exception):
+            return last
+        err = UnrepairableError(self.entry(i).path, attempts)
+        err.__cause__ = last
+        return err
+
+    def rebuild(self, i: int) -> str:
+        """Rebuild shard ``i`` (and its index) from parity into the rebuilt directory."""
+        from .parity import rebuild_shard
+
+        dest = self._rebuilt_path(i)
+        if not os.path.exists(dest):
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            rebuild_shard(self.root, self.manifest, i, dest, bad=self._bad_originals())
+            self.counters.add("parity_rebuilt")
+            log.warning("shard %s rebuilt from parity into %s", self.entry(i).path, dest)
+        _ensure_index(self, i, dest)
+        return dest
+
+    def _bad_originals(self) -> list[int]:
+        return [j for j, paths in self._bad.items() if self.original(j) in paths]
+
+    def _rebuilt_path(self, i: int) -> str:
+        base = self.cache.dir if self.cache is not None else os.path.join(self.root, REBUILT_DIR)
+        return resolve_in(base, self.entry(i).path)
+
+
+def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:
+    """Give a rebuilt tar shard its ``.idx``: a verified copy from any copy of the shard, else
+    one made by scanning the (verified) tar."""
+    entry = ladder.entry(i)
+    if entry.index is None:
+        return
+    dest = shard_path + ".idx"
+    if os.path.exists(dest):
+        return
+    for base in (ladder.root, *ladder.replicas):
+        src = resolve_in(base, entry.index)
+        try:
+            if not entry.index_digest or file_digest(src)[0] == entry.index_digest:
+                _copy_verified(src, dest, entry.index_digest or None)
+                return
+        except OSError:
+            continue
+    from .formats.base import ShardIndex  # noqa: F401  (formats are L2)
+    from .formats.tar import index_tar
+
+    index, _ = index_tar(shard_path, ladder.manifest.checksum)
+    tmp = tmp_name(dest)
+    with open(tmp, "wb") as f:
+        f.write(index.to_bytes())
+    os.replace(tmp, dest)
+
+
+def _copy_verified(src: str, dest: str, digest: str | None) -> None:
+    """Copy ``src`` to ``dest`` through a temp file; publish only if the copy has ``digest``."""
+    tmp = tmp_name(dest)
+    try:
+        shutil.copyfile(src, tmp)
+        if digest is not None and file_digest(tmp)[0] != digest:
+            raise ShardIOError(0, f"copy of {src} does not match its digest; not published")
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, dest)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def restore_original(root: str, entry: ShardEntry, good: str,
+                     counters: RepairCounters | None = None) -> bool:
+    """Move the bad original of ``entry`` into ``<root>/.quarantine/`` and publish a verified
+    copy of ``good`` in its place (with its index).  Serialised across processes by a lock file;
+    returns False when the original turned out fine (another process restored it) or when the
+    good copy does not match the manifest."""
+    original = resolve_in(root, entry.path)
+    lock_path = os.path.join(root, ".shardio-repair.lock")
+    try:
+        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        log.warning("cannot restore %s: dataset directory not writable (%s)", original, exc)
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _matches(original, entry.digest, entry.bytes):
+            return False
+        if not _matches(good, entry.digest, entry.bytes):
+            return False
+        if os.path.exists(original):
+            qdir = os.path.join(root, QUARANTINE_DIR, os.path.dirname(entry.path))
+            os.makedirs(qdir, exist_ok=True)
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            os.replace(original, os.path.join(qdir, f"{os.path.basename(entry.path)}.{stamp}"))
+            if counters is not None:
+                counters.add("quarantined")
+        _copy_verified(good, original, entry.digest)
+        if entry.index is not None:
+            idx = resolve_in(root, entry.index)
+            if not _matches(idx, entry.index_digest or None, None) and os.path.exists(good + ".idx"):
+                _copy_verified(good + ".idx", idx, entry.index_digest or None)
+        if counters is not None:
+            counters.add("originals_restored")
+        log.warning("shard %s: bad original quarantined and restored from %s", entry.path, good)
+        return True
+    except OSError as exc:
+        log.warning("cannot restore %s from %s: %s", original, good, exc)
+        return False
+    finally:
+        os.close(lock)
+
+
+def _matches(path: str, digest: str | None, size: int | None) -> bool:
+    try:
+        if size is not None and os.stat(path).st_size != size:
+            return False
+        return digest is None or file_digest(path)[0] == digest
+    except OSError:
+        return False
+
+
+@dataclass
+class RepairReport:
+    """What :func:`repair_dataset` found and did, shard by shard."""
+
+    checked: int = 0
+    damaged: list[str] | None = None
+    repaired: list[tuple[str, str]] | None = None  # (shard, source)
+    unrepaired: list[str] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.unrepaired
+
+
+def repair_dataset(root: str, *, replicas: Iterable[str] = (), use_parity: bool = True,
+                   damaged: Iterable[int] | None = None) -> RepairReport:
+    """Repair a dataset offline: every damaged shard (whole-file digest or size wrong, missing,
+    or index bad) is quarantined and replaced by a verified copy from ``replicas`` or rebuilt
+    from parity.  ``damaged`` limits the work to shards already known bad (from a verify pass).
+
+    Raises:
+        ManifestError: the dataset's manifest is unusable (repair needs it).
+    """
+    root = os.fspath(root)
+    manifest = Manifest.load(root)
+    replicas = tuple(os.fspath(r) for r in replicas)
+    ladder = CopyLadder(root, manifest, replicas=replicas, quarantine=True)
+    report = RepairReport(damaged=[], repaired=[], unrepaired=[])
+    todo = range(len(manifest.shards)) if damaged is None else sorted(set(damaged))
+    for i in todo:
+        entry = manifest.shards[i]
+        report.checked += 1
+        idx_ok = entry.index is None or _matches(resolve_in(root, entry.index),
+                                                 entry.index_digest or None, None)
+        if _matches(ladder.original(i), entry.digest, entry.bytes) and idx_ok:
+            continue
+        report.damaged.append(entry.path)
+        source = _repair_one(ladder, i, replicas, use_parity)
+        if source is None:
+            report.unrepaired.append(entry.path)
+        else:
+            report.repaired.append((entry.path, source))
+    return report
+
+
+def _repair_one(ladder: CopyLadder, i: int, replicas: Sequence[str], use_parity: bool) -> str | None:
+    entry = ladder.entry(i)
+    ladder._bad.setdefault(i, set()).add(ladder.original(i))
+    for r in replicas:
+        cand = resolve_in(r, entry.path)
+        if _matches(cand, entry.digest, entry.bytes):
+            if restore_original(ladder.root, entry, cand, ladder.counters) or _index_only(
+                    ladder, i, r):
+                return f"replica {r}"
+    if use_parity and ladder.manifest.parity:
+        try:
+            rebuilt = ladder.rebuild(i)
+        except Exception as exc:  # ParityError, MissingDependencyError, OSError
+            log.warning("shard %s: parity rebuild failed: %s", entry.path, exc)
+            return None
+        try:
+            if restore_original(ladder.root, entry, rebuilt, ladder.counters):
+                return "parity"
+        finally:
+            for p in (rebuilt, rebuilt + ".idx"):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+    return None
+
+
+def _index_only(ladder: CopyLadder, i: int, replica: str) -> bool:
+    """The shard itself is fine but its index file is bad: restore just the index."""
+    entry = ladder.entry(i)
+    if entry.index is None or not _matches(ladder.original(i), entry.digest, entry.bytes):
+        return False
+    src = resolve_in(replica, entry.index)
+    if not _matches(src, entry.index_digest or None, None):
+        return False
+    try:
+        _copy_verified(src, resolve_in(ladder.root, entry.index), entry.index_digest or None)
+    except OSError as exc:
+        raise translate_oserror(exc, src, "restoring index") from exc
+    return True
