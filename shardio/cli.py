@@ -52,10 +52,27 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="progress bar (default: when stderr is a terminal)")
     pk.add_argument("--json", action="store_true", help="print the summary as JSON")
+    pk.add_argument("--parity", metavar="K+M", default=None,
+                    help="erasure-coded parity: rebuild up to M lost shards per group of K")
+    pk.add_argument("--stripe-count", type=int, default=1,
+                    help="Lustre stripes per shard (-1: all OSTs; default 1)")
+    pk.add_argument("--stripe-size", default="4MiB", help="Lustre stripe size (default 4MiB)")
+    pk.add_argument("--stripe-pool", default=None, help="Lustre OST pool")
 
     vf = sub.add_parser("verify", help="recompute every checksum of a dataset")
     vf.add_argument("dataset")
     vf.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    vf.add_argument("--repair", action="store_true",
+                    help="replace damaged shards from --replica copies or parity")
+    vf.add_argument("--replica", action="append", default=[], metavar="DIR",
+                    help="a byte-identical copy of the dataset (repeatable)")
+
+    rp = sub.add_parser("repair", help="replace damaged shards from replicas or parity")
+    rp.add_argument("dataset")
+    rp.add_argument("--replica", action="append", default=[], metavar="DIR",
+                    help="a byte-identical copy of the dataset (repeatable)")
+    rp.add_argument("--no-parity", action="store_true", help="do not rebuild from parity")
+    rp.add_argument("--json", action="store_true")
 
     ins = sub.add_parser("inspect", help="summarise a dataset")
     ins.add_argument("dataset")
@@ -82,6 +99,8 @@ def _cmd_pack(a: argparse.Namespace) -> int:
         workers=a.workers, compress=a.compress, zstd_dict=a.zstd_dict,
         label_from_dir=a.label_from_dir, checksum=a.checksum, on_error=a.on_error,
         overwrite=a.overwrite, resume=a.resume, fsync=not a.no_fsync, prefix=a.prefix,
+        parity=a.parity, stripe_count=a.stripe_count, stripe_size=a.stripe_size,
+        stripe_pool=a.stripe_pool,
     )
     t0 = time.perf_counter()
     m = pack(a.src, a.out, opts, files_from=a.files_from, progress=a.progress)
@@ -99,6 +118,10 @@ def _cmd_pack(a: argparse.Namespace) -> int:
           f"{dt:.2f}s: {st['files_per_s']:.0f} files/s, {st['mb_per_s']:.1f} MB/s")
     print(f"compression ratio {st['compression_ratio']:.2f}x; metadata operations per epoch "
           f"{small} -> {shards} ({small / max(shards, 1):.0f}x fewer)")
+    if st.get("parity_bytes"):
+        print(f"parity {a.parity}: {_human(st['parity_bytes'])} in {m.shard_format} groups")
+    if st.get("layout"):
+        print(f"layout: {st['layout']}")
     if st["skipped"]:
         print("skipped: " + ", ".join(f"{k}={v}" for k, v in st["skipped"].items()))
     print(f"manifest: {os.path.join(a.out, 'manifest.json')}")
@@ -114,11 +137,51 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     problems = verify_dataset(a.dataset, workers=max(1, a.workers))
     for p in problems:
         print(p)
+    if problems and a.repair:
+        return _repair(a.dataset, a.replica, True, False,
+                       damaged=_damaged_shards(a.dataset, problems))
     if problems:
         print(f"{len(problems)} problem(s) found", file=sys.stderr)
         return 1
     print("ok", file=sys.stderr)
     return 0
+
+
+def _damaged_shards(root: str, problems: list) -> list[int]:
+    from .manifest import Manifest
+
+    m = Manifest.load(root)
+    by_path = {}
+    for i, e in enumerate(m.shards):
+        by_path[e.path] = i
+        if e.index:
+            by_path[e.index] = i
+    return sorted({by_path[p.path] for p in problems if p.path in by_path})
+
+
+def _repair(root: str, replicas: list[str], parity: bool, as_json: bool,
+            damaged: list[int] | None = None) -> int:
+    from .repair import repair_dataset
+
+    r = repair_dataset(root, replicas=replicas, use_parity=parity, damaged=damaged)
+    if as_json:
+        print(json.dumps({"checked": r.checked, "damaged": r.damaged, "repaired": r.repaired,
+                          "unrepaired": r.unrepaired}, sort_keys=True))
+    else:
+        for path, source in r.repaired or []:
+            print(f"repaired {path} from {source}")
+        for path in r.unrepaired or []:
+            print(f"NOT repaired {path}: no good copy (add --replica DIR or pack with --parity)")
+        print(f"{r.checked} shard(s) checked, {len(r.damaged or [])} damaged, "
+              f"{len(r.repaired or [])} repaired", file=sys.stderr)
+    return 0 if r.ok else 1
+
+
+def _cmd_repair(a: argparse.Namespace) -> int:
+    if not os.path.isdir(a.dataset):
+        print(f"shardio repair: {a.dataset} is not a directory", file=sys.stderr)
+        return 2
+    return _repair(a.dataset, a.replica, not a.no_parity, a.json)
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
@@ -140,7 +203,8 @@ def _cmd_index(a: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"pack": _cmd_pack, "verify": _cmd_verify, "inspect": _cmd_inspect, "index": _cmd_index}
+_COMMANDS = {"pack": _cmd_pack, "verify": _cmd_verify, "inspect": _cmd_inspect, "index": _cmd_index,
+             "repair": _cmd_repair}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

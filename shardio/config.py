@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ._fsutil import parse_size
@@ -9,10 +10,41 @@ from .checksum import DEFAULT_SAMPLE, sample_checksum_fn
 from .codec import parse_compress
 from .errors import UsageError
 
-__all__ = ["FORMATS", "ON_ERROR", "LoaderOptions", "PackOptions", "ReadOptions", "check_format"]
+__all__ = ["FORMATS", "ON_ERROR", "LoaderOptions", "PackOptions", "ReadOptions", "check_format",
+           "check_km", "parse_parity"]
 
 ON_ERROR = ("raise", "skip")
 FORMATS = ("tar", "hdf5")
+
+
+PARITY_MAX_BLOCKS = 256  # zfec's limit on K + M
+
+
+def check_km(k: int, m: int) -> None:
+    """Raise UsageError unless ``K >= 1``, ``M >= 1`` and ``K + M <= 256``."""
+    if not (isinstance(k, int) and isinstance(m, int)) or k < 1 or m < 1 \
+            or k + m > PARITY_MAX_BLOCKS:
+        raise UsageError(
+            f"invalid parity K+M = {k}+{m}; need K >= 1 data shards, M >= 1 parity files and "
+            f"K+M <= {PARITY_MAX_BLOCKS}, e.g. --parity 8+2"
+        )
+
+
+def parse_parity(spec: str) -> tuple[int, int]:
+    """Parse ``"K+M"`` (e.g. ``"4+2"``) into ``(K, M)``.
+
+    Raises:
+        UsageError: not of the form K+M, or K/M out of range.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*\+\s*(\d+)\s*", spec) if isinstance(spec, str) else None
+    if match is None:
+        raise UsageError(
+            f"invalid parity spec {spec!r}; write it as K+M (data shards + parity files per "
+            "group), e.g. --parity 8+2"
+        )
+    k, m = int(match.group(1)), int(match.group(2))
+    check_km(k, m)
+    return k, m
 
 
 def check_format(name: str) -> str:
@@ -46,6 +78,12 @@ class PackOptions:
         resume: require a resumable partial run of the same job in OUT.
         fsync: fsync shards before publishing them (turn off only for throwaway output).
         prefix: shard file name prefix.
+        parity: ``"K+M"`` writes erasure-coded parity over groups of K shards so that up to M
+            lost or corrupt shards per group can be rebuilt (:mod:`shardio.parity`, needs zfec).
+        stripe_count: Lustre stripe count of each shard (``-1``: all OSTs); on other
+            filesystems layout options are reported and ignored.
+        stripe_size: Lustre stripe size (``"4MiB"`` accepted; a multiple of 64 KiB).
+        stripe_pool: Lustre OST pool, or ``None``.
     """
 
     format: str = "tar"
@@ -61,9 +99,20 @@ class PackOptions:
     resume: bool = False
     fsync: bool = True
     prefix: str = "shard"
+    parity: str | None = None
+    stripe_count: int = 1
+    stripe_size: int | str = 4 << 20
+    stripe_pool: str | None = None
 
     def __post_init__(self) -> None:
         check_format(self.format)
+        object.__setattr__(self, "stripe_size", parse_size(self.stripe_size))
+        if self.stripe_size % (64 << 10):
+            raise UsageError(f"stripe_size must be a multiple of 64KiB, got {self.stripe_size}")
+        if self.stripe_count == 0 or self.stripe_count < -1:
+            raise UsageError(f"stripe_count must be >= 1 or -1 (all OSTs), got {self.stripe_count}")
+        if self.parity is not None:
+            parse_parity(self.parity)
         if self.shard_size is not None:
             object.__setattr__(self, "shard_size", parse_size(self.shard_size))
         if self.samples_per_shard is not None and self.samples_per_shard < 1:
@@ -102,6 +151,7 @@ class PackOptions:
             "samples_per_shard": self.samples_per_shard, "compress": self.compress,
             "zstd_dict": self.zstd_dict, "label_from_dir": self.label_from_dir,
             "checksum": self.checksum, "on_error": self.on_error, "prefix": self.prefix,
+            "parity": self.parity,
         }
 
 
@@ -122,6 +172,24 @@ class ReadOptions:
         allow_pickle: let ``decode=True`` unpickle ``pickle``/``pyd`` fields (untrusted code).
         image_mode: Pillow mode images decode to (``"RGB"``, ``"L"``, ...).
         max_open_shards: shard readers (descriptor + index) kept open per process.
+        prefetch_shards: upcoming shards a reader asks the kernel to read ahead
+            (``POSIX_FADV_WILLNEED``), chosen from distinct Lustre OSTs where possible; 0: off.
+        read_block: size of coalesced sequential reads (raised to a multiple of the Lustre
+            stripe size on Lustre).
+        replicas: directories holding byte-identical copies of the dataset, tried in order when
+            a shard's copy is corrupt or unreadable (:mod:`shardio.repair`).
+        quarantine: allow moving a corrupt original shard aside and replacing it with a
+            verified good copy (the dataset directory must be writable).
+        on_corrupt: when no good copy of a sample exists: ``"raise"``
+            (:class:`~shardio.errors.UnrepairableError`) or ``"skip"`` (dropped and counted).
+        cache_dir: node-local cache directory for staged shards (:mod:`shardio.stage`);
+            ``"auto"`` finds one from ``$SHARDIO_CACHE_DIR``, ``$SLURM_TMPDIR``, ``$TMPDIR``, ...
+            ``None``: no staging.
+        cache_budget: bytes of the cache this dataset may use (``None``: free space minus
+            ``cache_reserve``).
+        cache_reserve: free space always left on the cache filesystem.
+        stage_bandwidth: cap on the stager's reads from the shared filesystem (bytes/s).
+        stage_lookahead: epochs beyond the current one the stager prepares.
     """
 
     shuffle: bool = True
@@ -134,8 +202,32 @@ class ReadOptions:
     allow_pickle: bool = False
     image_mode: str = "RGB"
     max_open_shards: int = 64
+    prefetch_shards: int = 4
+    read_block: int | str = 8 << 20
+    replicas: tuple[str, ...] = ()
+    quarantine: bool = False
+    on_corrupt: str = "raise"
+    cache_dir: str | None = None
+    cache_budget: int | str | None = None
+    cache_reserve: int | str = "1GiB"
+    stage_bandwidth: int | str | None = None
+    stage_lookahead: int = 1
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "read_block", parse_size(self.read_block))
+        if isinstance(self.replicas, (str, bytes)):
+            raise UsageError("replicas must be a list of directories, not one string")
+        object.__setattr__(self, "replicas", tuple(str(r) for r in self.replicas))
+        if self.on_corrupt not in ON_ERROR:
+            raise UsageError(f"on_corrupt must be one of {ON_ERROR}, got {self.on_corrupt!r}")
+        if self.prefetch_shards < 0:
+            raise UsageError(f"prefetch_shards must be >= 0, got {self.prefetch_shards}")
+        if self.stage_lookahead < 0:
+            raise UsageError(f"stage_lookahead must be >= 0, got {self.stage_lookahead}")
+        for name in ("cache_budget", "cache_reserve", "stage_bandwidth"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_size(value) if value != 0 else 0)
         if self.batch_size < 1:
             raise UsageError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.remainder not in ("pad", "drop"):

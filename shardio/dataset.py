@@ -71,8 +71,10 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             raise UsageError("pass either options= or keyword options, not both")
         self.options = options
         self.transform = transform
-        self.reader = DatasetReader(path, verify=options.verify,
-                                    max_open_shards=options.max_open_shards)
+        self.reader = DatasetReader(
+            path, verify=options.verify, max_open_shards=options.max_open_shards,
+            replicas=options.replicas, quarantine=options.quarantine,
+            on_corrupt=options.on_corrupt, read_block=options.read_block)
         # Epoch and resume cursor live in a tiny shared array so that DataLoader workers kept
         # alive across epochs (persistent_workers=True) see set_epoch()/load_state_dict().
         self._shared = multiprocessing.RawArray("q", 2)
@@ -170,6 +172,11 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         """Sample ``i`` in manifest order (decoded and transformed like iteration): random
         access for evaluation and debugging."""
         return self._prepare(self.reader[int(i)])
+
+    def io_stats(self) -> dict[str, Any]:
+        """Fault/repair events and reads per source (opens, stats, bytes) of this process and its
+        forked workers (``repair``)."""
+        return {"repair": self.reader.counters.snapshot()}
 
     # --- checkpointing -----------------------------------------------------------------------
     def state_dict(self, batches: int | None = None) -> dict[str, Any]:

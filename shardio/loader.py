@@ -260,8 +260,12 @@ class ShardLoader:
         self._finished = False
 
     def stats(self) -> dict[str, Any]:
-        """Data-wait vs compute per step, per-stage worker times, copies, restarts."""
-        return self._stats.summary()
+        """Data-wait vs compute per step, per-stage worker times, copies, restarts; ``repair``:
+        fault and self-repair events and reads per source (metadata operations, bytes), summed
+        over the workers; ``stage``: the node cache's counters when staging is on."""
+        out = self._stats.summary()
+        out.update(self.dataset.io_stats())
+        return out
 
     def close(self) -> None:
         """Stop the workers and release shared memory (also done at garbage collection)."""

@@ -25,12 +25,13 @@ byte-swapped is parsed big-endian)::
     lov_comp_md_v1, magic 0x0BD60BD0 (Lustre 2.10+ PFL, 2.11+ FLR/DoM), 32-byte header
       0 u32 lcm_magic   4 u32 lcm_size (whole blob)   8 u32 lcm_layout_gen   12 u16 lcm_flags
      14 u16 lcm_entry_count   16 u16 lcm_mirror_count (mirrors - 1)   18 u8 lcm_ec_count
-        (2.17+, padding before)   19..31 padding   32 lov_comp_md_entry_v1[entry_count]
+        (erasure-coded releases; padding before)   19..31 padding   32 entries
     lov_comp_md_entry_v1, 48 bytes
       0 u32 lcme_id (mirror id in bits 16-30)   4 u32 lcme_flags (LCME_FL_INIT 0x10 =
         instantiated)   8 u64 e_start   16 u64 e_end (2**64-1 = EOF)   24 u32 lcme_offset
      28 u32 lcme_size (sub-layout v1/v3 at [offset, offset+size) of the blob)
-     32 u32 lcme_layout_gen   36 u64 lcme_timestamp   44 u32 padding (EC/compression bytes in 2.16+)
+     32 u32 lcme_layout_gen   36 u64 lcme_timestamp   44 u32 lcme_padding_1 (newer releases
+        keep EC stripe counts and compression settings in these 4 bytes; not read here)
 
 A sub-layout with pattern LOV_PATTERN_MDT (0x100) is Data-on-MDT (2.11+): no objects, its stripe
 size is the DoM size.  Objects follow a v1/v3 header only once the layout is instantiated: for a
@@ -41,12 +42,14 @@ component [0, EOF) with id 0, flagged LCME_FL_INIT when it has objects, as ``lfs
 (``lov_forge_comp_v1``).
 
 Setting a layout.  Lustre fixes a file's layout when its objects are created: at open(O_CREAT)
-unless the open carries O_LOV_DELAY_CREATE (= O_NOCTTY|FASYNC since Lustre 2.4, LU-4209), else at
-the first write.  A ``lustre.lov`` set after that is silently ignored (the call succeeds), so
+unless the open carries O_LOV_DELAY_CREATE, else at the first write.  The flag is O_NOCTTY|FASYNC
+(LU-4209, what current clients and liblustreapi pass; both are no-ops on a new regular file
+elsewhere); the 1.8-era 0100000000 bit is dropped by kernels since 2.6.36 and is not sent.  A
+``lustre.lov`` set after the objects exist is silently ignored (the call succeeds), so
 :func:`create_striped` opens with the delay flag, sets the layout on the still object-less file,
 then reads it back and compares; a mismatch removes the file and raises
-:class:`~shardio.errors.LayoutNotAppliedError`.  On any other filesystem it creates the file plainly
-and says the request was ignored.
+:class:`~shardio.errors.LayoutNotAppliedError`.  On any other filesystem it creates the file
+plainly and says the request was ignored.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ FS_MAGIC: dict[int, str] = {
     0x73717368: "squashfs", 0x00C36400: "ceph", 0xFF534D42: "cifs", 0xFE534D42: "smb2",
     0x65735546: "fuse",
 }
-"""statfs(2) ``f_type`` magic -> filesystem name (``linux/magic.h``, LL_SUPER_MAGIC, GPFS, BeeGFS)."""
+"""statfs(2) ``f_type`` -> filesystem name (``linux/magic.h``; LL_SUPER_MAGIC; GPFS; BeeGFS)."""
 
 _KIND = {"lustre": "lustre", "gpfs": "gpfs", "beegfs": "beegfs", "nfs": "nfs", "nfs4": "nfs",
          "tmpfs": "tmpfs", "ramfs": "tmpfs"}
@@ -649,9 +652,7 @@ def _describe(count: int, size: int, pool: str | None) -> str:
     return f"{stripes} of {_size(size)}" + (f" in pool {pool!r}" if pool else "")
 
 
-def _mismatch(request: LayoutRequest, layout: Layout | None) -> bool:
-    if layout is None:
-        return True
+def _mismatch(request: LayoutRequest, layout: Layout) -> bool:
     count_ok = (layout.stripe_count >= 1 if request.stripe_count == -1
                 else layout.stripe_count == request.stripe_count)
     return not (count_ok and layout.stripe_size == request.stripe_size
@@ -666,19 +667,52 @@ def _discard(fd: int, path: str) -> None:
         pass
 
 
+def _set_layout(fd: int, path: str, request: LayoutRequest, probe: FsProbe,
+                check: bool) -> tuple[Layout | None, str]:
+    """Set the layout on the object-less file ``fd``; read it back if ``check``."""
+    want = _describe(request.stripe_count, request.stripe_size, request.pool)
+    try:
+        probe.fsetxattr(fd, "lustre.lov",
+                        build_lov(request.stripe_size, request.stripe_count, request.pool))
+    except OSError as exc:
+        raise LayoutError(
+            f"{path}: setting the layout ({want}) failed: {exc.strerror or exc}; check that the "
+            "pool exists (`lfs pool_list`) and the values suit this filesystem, or pass other "
+            "--stripe-count/--stripe-size/--stripe-pool values") from exc
+    if not check:
+        return None, f"layout set ({want}), not verified"
+    try:
+        back = probe.getxattr(path, "lustre.lov")
+    except OSError as exc:
+        raise LayoutError(f"{path}: reading the layout back failed: {exc.strerror or exc}; "
+                          "retry, or pass check=False to skip the verification") from exc
+    layout = parse_lov(back) if back else None
+    if layout is None or _mismatch(request, layout):
+        got = (_describe(layout.stripe_count, layout.stripe_size, layout.pool)
+               if layout else "no readable layout")
+        raise LayoutNotAppliedError(
+            f"{path}: asked for {want}, Lustre kept {got}. Lustre takes a layout only while the "
+            "file has no objects (opened with O_LOV_DELAY_CREATE, nothing written) and silently "
+            "ignores one set later; it also caps the stripe count at the OSTs available "
+            "(`lfs df`, `lfs pool_list`). The file was removed; pass values this filesystem can "
+            "hold with --stripe-count/--stripe-size/--stripe-pool")
+    return layout, f"layout applied: {want} on OSTs [{', '.join(map(str, layout.osts))}]"
+
+
 def create_striped(path: str, request: LayoutRequest, probe: FsProbe | None = None, *,
                    check: bool = True) -> tuple[int, LayoutReport]:
     """Create the new file ``path`` with the requested Lustre layout; return (fd, report).
 
     The fd is open for writing; the caller closes it.  On Lustre the file is created without
-    objects, given the layout, and (``check``) the layout is read back; elsewhere the file is
-    created plainly and the report says the request was ignored.
+    objects (O_LOV_DELAY_CREATE), given the layout, and (``check``) the layout is read back and
+    compared; elsewhere the file is created plainly and the report says the request was ignored.
+    With ``check=False`` the report says ``applied=True`` with no layout: set, not verified.
 
     Raises:
         FileExistsError: ``path`` exists (the file is created with O_EXCL).
         LayoutNotAppliedError: Lustre kept another layout; the file was removed.
-        LayoutError: setting the layout failed, or the layout read back is malformed; the file
-            was removed.
+        LayoutError: setting or reading back the layout failed, or what was read back is
+            malformed; the file was removed.
         ShardIOError: any other failure to create the file.
     """
     probe = probe or FsProbe()
@@ -697,34 +731,12 @@ def create_striped(path: str, request: LayoutRequest, probe: FsProbe | None = No
         where = f"{fs.fstype or fs.kind} at {fs.mount_point}" if fs.mount_point else fs.kind
         return fd, LayoutReport(fs, request, False, None,
                                 f"not Lustre ({where}): layout request ignored")
-    want = _describe(request.stripe_count, request.stripe_size, request.pool)
     try:
-        blob = build_lov(request.stripe_size, request.stripe_count, request.pool)
-        try:
-            probe.fsetxattr(fd, "lustre.lov", blob)
-        except OSError as exc:
-            raise LayoutError(
-                f"{path}: setting the layout ({want}) failed: {exc.strerror or exc}; check that "
-                "the pool exists (`lfs pool_list`) and the values suit this filesystem, or pass "
-                "other --stripe-count/--stripe-size/--stripe-pool values") from exc
-        if not check:
-            return fd, LayoutReport(fs, request, True, None, f"layout set ({want}), not verified")
-        back = probe.getxattr(path, "lustre.lov")
-        layout = parse_lov(back) if back else None
-        if _mismatch(request, layout):
-            got = (_describe(layout.stripe_count, layout.stripe_size, layout.pool)
-                   if layout else "no readable layout")
-            raise LayoutNotAppliedError(
-                f"{path}: asked for {want}, Lustre kept {got}. Lustre takes a layout only while "
-                "the file has no objects (opened with O_LOV_DELAY_CREATE, nothing written) and "
-                "silently ignores one set later; it also caps the stripe count at the OSTs "
-                "available (`lfs df`, `lfs pool_list`). The file was removed; pass values this "
-                "filesystem can hold with --stripe-count/--stripe-size/--stripe-pool")
+        layout, reason = _set_layout(fd, path, request, probe, check)
     except BaseException:
         _discard(fd, path)
         raise
-    osts = ", ".join(map(str, layout.osts)) if layout else ""
-    return fd, LayoutReport(fs, request, True, layout, f"layout applied: {want} on OSTs [{osts}]")
+    return fd, LayoutReport(fs, request, True, layout, reason)
 
 
 def get_layout(path: str, probe: FsProbe | None = None) -> Layout | None:

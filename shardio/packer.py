@@ -38,7 +38,7 @@ from ._fsutil import TMP_MARK, atomic_write_bytes, remove_temp_files, translate_
 from ._scan import LABEL_FIELD, Sample, ScanResult, scan_source
 from .checksum import DEFAULT_DIGEST, digest_bytes, file_digest
 from .codec import Codec, train_dictionary
-from .config import PackOptions
+from .config import PackOptions, parse_parity
 from .errors import (
     EmptySourceError,
     OutputInsideSourceError,
@@ -325,6 +325,18 @@ def _ours(name: str, prefix: str) -> bool:
             or re.fullmatch(re.escape(prefix) + r"-\d{6}\.(tar|tar\.idx|h5)", name) is not None)
 
 
+def _remove_parity(out: str) -> None:
+    """Delete parity files a previous ``--parity`` run left in ``OUT/parity``."""
+    pdir = os.path.join(out, "parity")
+    if not os.path.isdir(pdir):
+        return
+    for n in os.listdir(pdir):
+        if re.fullmatch(r"g\d{6}\.p\d+", n) or TMP_MARK in n:
+            os.unlink(os.path.join(pdir, n))
+    if not os.listdir(pdir):
+        os.rmdir(pdir)
+
+
 def _prepare_out(out: str, job: str, options: PackOptions) -> Manifest | None:
     """Decide fresh / resume / already complete; returns the manifest when already complete."""
     names = os.listdir(out) if os.path.isdir(out) else []
@@ -332,7 +344,8 @@ def _prepare_out(out: str, job: str, options: PackOptions) -> Manifest | None:
         for n in names:
             if _ours(n, options.prefix):
                 os.unlink(os.path.join(out, n))
-        names = [n for n in names if not _ours(n, options.prefix)]
+        _remove_parity(out)
+        names = [n for n in names if not _ours(n, options.prefix) and n != "parity"]
     state = _read_json(os.path.join(out, STATE_NAME))
     if state is not None and state.get("job") == job:
         remove_temp_files(out)
@@ -797,6 +810,12 @@ def _publish(out: str, options: PackOptions, scan: Any, codec: Codec, job: str,
         job=job,
         created_by=f"shardio {__version__}",
     )
+    if options.parity:
+        from .parity import write_parity
+
+        k, m = parse_parity(options.parity)
+        manifest.parity = write_parity(out, manifest, k, m, fsync=options.fsync)
+        manifest.stats["parity_bytes"] = sum(sum(g["bytes"]) for g in manifest.parity["groups"])
     if options.fsync:
         manifest.save(out)
     else:

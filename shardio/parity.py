@@ -38,13 +38,14 @@ M blocks of a group lost, :func:`rebuild_shard` raises :class:`~shardio.errors.P
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
 from ._fsutil import atomic_writer, resolve_in, translate_oserror
 from .checksum import StreamHasher, file_digest, new_digest
+from .config import PARITY_MAX_BLOCKS, parse_parity
+from .config import check_km as _check_km
 from .errors import MissingDependencyError, ParityError, UsageError
 from .manifest import Manifest
 
@@ -60,7 +61,7 @@ __all__ = [
 
 SCHEME = "zfec-rs"
 PARITY_DIR = "parity"
-MAX_BLOCKS = 256  # zfec works in GF(2^8): at most 256 blocks per group
+MAX_BLOCKS = PARITY_MAX_BLOCKS  # zfec works in GF(2^8): at most 256 blocks per group
 DEFAULT_CHUNK = 1 << 20
 
 
@@ -73,31 +74,6 @@ def _zfec() -> Any:
             "(or pip install 'shardio[parity]')"
         ) from exc
     return zfec
-
-
-def _check_km(k: int, m: int) -> None:
-    if not (isinstance(k, int) and isinstance(m, int)) or k < 1 or m < 1 or k + m > MAX_BLOCKS:
-        raise UsageError(
-            f"invalid parity K+M = {k}+{m}; need K >= 1 data shards, M >= 1 parity files and "
-            f"K+M <= {MAX_BLOCKS}, e.g. --parity 8+2"
-        )
-
-
-def parse_parity(spec: str) -> tuple[int, int]:
-    """Parse ``"K+M"`` (e.g. ``"4+2"``) into ``(K, M)``.
-
-    Raises:
-        UsageError: not of the form K+M, or K/M out of range.
-    """
-    match = re.fullmatch(r"\s*(\d+)\s*\+\s*(\d+)\s*", spec) if isinstance(spec, str) else None
-    if match is None:
-        raise UsageError(
-            f"invalid parity spec {spec!r}; write it as K+M (data shards + parity files per "
-            "group), e.g. --parity 8+2"
-        )
-    k, m = int(match.group(1)), int(match.group(2))
-    _check_km(k, m)
-    return k, m
 
 
 # --- helpers ---------------------------------------------------------------------------------

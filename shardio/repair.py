@@ -44,6 +44,7 @@ from .errors import (
     IndexCorruptError,
     ManifestCorruptError,
     ShardIOError,
+    ShardioError,
     ShardNotFoundError,
     ShardTruncatedError,
     UnrepairableError,
@@ -183,10 +184,10 @@ class CopyLadder:
     def recovered(self, i: int, copy: Copy) -> None:
         """A read from ``copy`` succeeded after earlier copies failed: restore the original from
         it when quarantine is allowed."""
-        if (copy.kind != "original" and self.quarantine
-                and self.original(i) in self._bad.get(i, ())):
-            if restore_original(self.root, self.entry(i), copy.path, self.counters):
-                self._bad[i].discard(self.original(i))
+        if (self._bad and copy.kind != "original" and self.quarantine
+                and self.original(i) in self._bad.get(i, ())
+                and restore_original(self.root, self.entry(i), copy.path, self.counters)):
+            self._bad[i].discard(self.original(i))
 
     def give_up(self, i: int) -> Exception:
         """The error for shard ``i`` once no copy is left; resets the ladder so the next sample
@@ -373,14 +374,14 @@ def _repair_one(ladder: CopyLadder, i: int, replicas: Sequence[str], use_parity:
     ladder._bad.setdefault(i, set()).add(ladder.original(i))
     for r in replicas:
         cand = resolve_in(r, entry.path)
-        if _matches(cand, entry.digest, entry.bytes):
-            if restore_original(ladder.root, entry, cand, ladder.counters) or _index_only(
-                    ladder, i, r):
-                return f"replica {r}"
+        if _matches(cand, entry.digest, entry.bytes) and (
+                restore_original(ladder.root, entry, cand, ladder.counters)
+                or _index_only(ladder, i, r)):
+            return f"replica {r}"
     if use_parity and ladder.manifest.parity:
         try:
             rebuilt = ladder.rebuild(i)
-        except Exception as exc:  # ParityError, MissingDependencyError, OSError
+        except (ShardioError, OSError) as exc:  # ParityError, MissingDependencyError, EIO
             log.warning("shard %s: parity rebuild failed: %s", entry.path, exc)
             return None
         try:

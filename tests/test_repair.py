@@ -1,0 +1,193 @@
+"""Self-repair (shardio.repair): faults in originals and copies, the ladder, counters, offline repair.
+
+Every test reads the whole epoch and compares it with a clean reference read: zero corrupt or
+missing samples delivered, the same samples in the same order, and the counters say what happened.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import shardio
+from shardio import Manifest, PackOptions, pack
+from shardio.errors import ChecksumMismatchError, ShardNotFoundError, UnrepairableError
+from shardio.reader import DatasetReader
+from shardio.verify import verify_dataset
+from tools.faults import corrupt_dataset, flip_bits
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def data(image_tree: Path, tmp_path: Path) -> tuple[Path, Path, list[tuple[str, bytes]]]:
+    """A packed dataset (7 tar shards), a byte-identical replica, and its clean sample list."""
+    root = tmp_path / "ds"
+    pack(image_tree, root, PackOptions(samples_per_shard=9, label_from_dir=True, fsync=False))
+    replica = tmp_path / "replica"
+    shutil.copytree(root, replica)
+    with DatasetReader(root) as r:
+        clean = [(s["__key__"], s["jpg"]) for s in r]
+    return root, replica, clean
+
+
+def epoch(ds: shardio.ShardDataset) -> list[tuple[str, bytes]]:
+    return [(s["__key__"], s["jpg"]) for s in ds]
+
+
+def by_key(samples: list[tuple[str, bytes]]) -> dict[str, bytes]:
+    return dict(samples)
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+def test_bad_original_is_read_from_the_replica(data, how: str) -> None:
+    root, replica, clean = data
+    corrupt_dataset(str(root), [2, 5], how, seed=3)
+    reference = epoch(shardio.ShardDataset(replica, seed=4))
+    ds = shardio.ShardDataset(root, seed=4, replicas=[str(replica)])
+    assert epoch(ds) == reference  # same samples, same order, nothing corrupt
+    c = ds.reader.counters.snapshot()
+    kind = {"flip": "checksum_mismatch", "truncate": "truncated", "delete": "missing"}[how]
+    assert c[kind] == 2 and c["failovers"] == 2
+    assert c["bytes_replica"] > 0 and c["originals_restored"] == 0
+    assert verify_dataset(str(root))  # without quarantine the original stays as it was
+
+
+def test_quarantine_restores_the_original(data) -> None:
+    root, replica, clean = data
+    corrupt_dataset(str(root), [1], "flip", seed=1)
+    ds = shardio.ShardDataset(root, shuffle=False, replicas=[str(replica)], quarantine=True)
+    assert by_key(epoch(ds)) == by_key(clean)
+    c = ds.reader.counters.snapshot()
+    assert c["checksum_mismatch"] == 1 and c["quarantined"] == 1
+    assert c["originals_restored"] == 1
+    assert verify_dataset(str(root)) == []
+    quarantined = list((root / ".quarantine").iterdir())
+    assert len(quarantined) == 1 and quarantined[0].name.startswith("shard-000001.tar.")
+
+
+def test_no_good_copy_raises_or_skips(data) -> None:
+    root, replica, clean = data
+    corrupt_dataset(str(root), [3], "flip", seed=2)
+    corrupt_dataset(str(replica), [3], "flip", seed=2)  # the same sample, bad in both copies
+    ds = shardio.ShardDataset(root, shuffle=False, replicas=[str(replica)])
+    with pytest.raises(UnrepairableError, match="no good copy left.*replica") as err:
+        epoch(ds)
+    assert isinstance(err.value.__cause__, ChecksumMismatchError)
+    assert len(err.value.attempts) == 2
+
+    ds = shardio.ShardDataset(root, shuffle=False, replicas=[str(replica)], on_corrupt="skip")
+    got = epoch(ds)
+    assert len(got) == len(clean) - 1  # exactly the one bad sample left out
+    assert set(got) <= set(clean)
+    assert ds.reader.counters.get("skipped_samples") == 1
+
+
+def test_single_copy_keeps_the_typed_error(data) -> None:
+    root, _replica, _clean = data
+    corrupt_dataset(str(root), [0], "delete")
+    with pytest.raises(ShardNotFoundError, match="missing"):
+        epoch(shardio.ShardDataset(root, shuffle=False))
+
+
+def test_parity_rebuilds_a_lost_shard_while_reading(image_tree: Path, tmp_path: Path) -> None:
+    pytest.importorskip("zfec")
+    root = tmp_path / "ds"
+    pack(image_tree, root, PackOptions(samples_per_shard=9, fsync=False, parity="3+1"))
+    assert Manifest.load(root).parity["k"] == 3
+    with DatasetReader(root) as r:
+        clean = [(s["__key__"], s["jpg"]) for s in r]
+    corrupt_dataset(str(root), [4], "delete")
+    corrupt_dataset(str(root), [1], "flip", seed=5)
+    ds = shardio.ShardDataset(root, shuffle=False)
+    assert epoch(ds) == clean
+    c = ds.reader.counters.snapshot()
+    assert c["parity_rebuilt"] == 2 and c["missing"] == 1 and c["checksum_mismatch"] == 1
+
+
+def test_loader_workers_repair_and_count(data) -> None:
+    root, replica, clean = data
+    corrupt_dataset(str(root), [0, 4], "flip", seed=7)
+    reference = epoch(shardio.ShardDataset(replica, seed=1))
+    ds = shardio.ShardDataset(root, seed=1, replicas=[str(replica)])
+    with shardio.ShardLoader(ds, batch_size=8, num_workers=2,
+                             collate_fn=lambda b: [(s["__key__"], s["jpg"]) for s in b]) as ld:
+        got = [s for batch in ld for s in batch]
+        stats = ld.stats()
+    assert got == reference
+    assert stats["repair"]["checksum_mismatch"] == 2  # counted in the workers, seen in main
+    assert stats["repair"]["bytes_original"] > 0
+
+
+def test_eio_injected_with_strace_fails_over(data, tmp_path: Path) -> None:
+    """A real EIO from the kernel's point of view of the process: strace makes the first
+    ``pread64`` fail; the reader moves to the replica and still delivers every sample."""
+    root, replica, clean = data
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace not installed")
+    probe = subprocess.run([strace, "-f", "-o", "/dev/null", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"ptrace not permitted here: {probe.stderr.decode().strip()}")
+    script = tmp_path / "read.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from shardio.reader import DatasetReader
+        r = DatasetReader({str(root)!r}, replicas=[{str(replica)!r}])
+        keys = [s["__key__"] for s in r]
+        print(json.dumps({{"n": len(keys), "counters": r.counters.snapshot()}}))
+    """))
+    target = root / Manifest.load(root).shards[2].path  # -P: only syscalls on this file
+    proc = subprocess.run(
+        [strace, "-f", "-o", "/dev/null", "-P", str(target), "-e", "trace=pread64",
+         "-e", "inject=pread64:error=EIO:when=1", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["n"] == len(clean)
+    assert out["counters"]["io_error"] == 1 and out["counters"]["failovers"] == 1
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+def test_offline_repair_from_replica(data, cli, how: str) -> None:
+    root, replica, _clean = data
+    corrupt_dataset(str(root), [0, 6], how, seed=9)
+    rc, out, _err = cli("verify", root)
+    assert rc == 1
+    rc, out, err = cli("repair", root, "--replica", replica)
+    assert rc == 0, out + err
+    assert out.count("repaired shard-") == 2
+    assert verify_dataset(str(root)) == []
+
+
+def test_verify_repair_uses_parity(image_tree: Path, tmp_path: Path, cli) -> None:
+    pytest.importorskip("zfec")
+    root = tmp_path / "ds"
+    rc, out, err = cli("pack", image_tree, root, "--samples-per-shard", "9", "--parity", "4+2",
+                       "--no-fsync")
+    assert rc == 0, err
+    assert "parity 4+2" in out
+    flip_bits(str(root / "shard-000002.tar"), offset=700)
+    os.unlink(root / "shard-000003.tar")
+    rc, out, err = cli("verify", root, "--repair")
+    assert rc == 0, out + err
+    assert "repaired shard-000002.tar from parity" in out
+    assert "repaired shard-000003.tar from parity" in out
+    assert verify_dataset(str(root)) == []
+
+
+def test_unrepairable_offline_exits_1(data, cli) -> None:
+    root, _replica, _clean = data
+    corrupt_dataset(str(root), [2], "delete")
+    rc, out, _err = cli("repair", root)
+    assert rc == 1
+    assert "NOT repaired shard-000002.tar" in out
