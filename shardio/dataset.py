@@ -150,15 +150,22 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         plan = self._plan()
         order = self._order()
-        cursor, remaining = self._cursor, plan.remaining
+        cursor = self._cursor
         if info is None:
             self._iterated_here = True
             self._delivered = 0
             self._finished = False
-        for t in plan.worker_steps(worker, workers):
-            a, b = plan.batch_range(t)
-            positions = cursor + np.arange(a, b, dtype=np.int64) % remaining
-            for sample in self.reader.read_ids(_ids_at(order, positions)):
+        self._start_staging(self.epoch)
+        steps = plan.worker_steps(worker, workers)
+        ahead: np.ndarray | None = None
+        for k, t in enumerate(steps):
+            ids = ahead if ahead is not None else self._step_ids(order, plan, cursor, t)
+            ahead = None
+            self._report(cursor + t * plan.world_size * plan.batch_size)
+            if self.options.prefetch_shards and k + 1 < len(steps):
+                ahead = self._step_ids(order, plan, cursor, steps[k + 1])
+                self._advise(ahead)
+            for sample in self.reader.read_ids(ids):
                 out = self._prepare(sample)
                 if info is None:
                     self._delivered += 1
@@ -167,6 +174,24 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             # The epoch is over: a later iteration without set_epoch() replays it from the start.
             self._cursor = 0
             self._finished = True
+
+    @staticmethod
+    def _step_ids(order: EpochOrder, plan: RankPlan, cursor: int, t: int) -> np.ndarray:
+        """Global sample ids of this rank's batch at step ``t``."""
+        a, b = plan.batch_range(t)
+        positions = cursor + np.arange(a, b, dtype=np.int64) % plan.remaining
+        return _ids_at(order, positions)
+
+    def _advise(self, ids: np.ndarray) -> None:
+        """Read ahead the shards of an upcoming batch (``POSIX_FADV_WILLNEED``)."""
+        shards = np.unique(np.searchsorted(self.reader.offsets, ids, side="right") - 1)
+        self.reader.willneed(shards.tolist(), self.options.prefetch_shards)
+
+    def _start_staging(self, epoch: int) -> None:
+        """Staging hook (node-local cache); no-op without ``cache_dir``."""
+
+    def _report(self, position: int) -> None:
+        """Progress hook for the stager (epoch position of the step being read)."""
 
     def __getitem__(self, i: int) -> Any:
         """Sample ``i`` in manifest order (decoded and transformed like iteration): random

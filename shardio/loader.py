@@ -24,7 +24,7 @@ import torch
 
 from ._tree import plan_collate, plan_tree, read_header, read_tree
 from .config import LoaderOptions
-from .dataset import ShardDataset, _ids_at
+from .dataset import ShardDataset
 from .errors import UsageError, WorkerCrashedError
 from .order import EpochOrder, RankPlan
 from .pool import PoolOptions, WorkerPool
@@ -59,13 +59,25 @@ class _Job:
                                 shuffle=o.shuffle, shuffle_block=o.shuffle_block)
         self.plan = RankPlan(ds.num_samples - self.cursor, spec["world_size"], spec["rank"],
                              spec["batch_size"], o.remainder)
+        self.stride = spec.get("stride", 1)
+        self.ahead: tuple[int, np.ndarray] | None = None
+        ds._start_staging(spec["epoch"])
 
     def produce(self, step: int) -> tuple[Any, list[float]]:
         assert self.plan is not None and self.order is not None
         t0 = time.perf_counter()
-        a, b = self.plan.batch_range(step)
-        positions = self.cursor + np.arange(a, b, dtype=np.int64) % self.plan.remaining
-        raw = list(self.dataset.reader.read_ids(_ids_at(self.order, positions)))
+        ds, plan = self.dataset, self.plan
+        if self.ahead is not None and self.ahead[0] == step:
+            ids = self.ahead[1]
+        else:
+            ids = ds._step_ids(self.order, plan, self.cursor, step)
+        self.ahead = None
+        ds._report(self.cursor + step * plan.world_size * plan.batch_size)
+        nxt = step + self.stride
+        if ds.options.prefetch_shards and nxt < plan.num_batches:
+            self.ahead = (nxt, ds._step_ids(self.order, plan, self.cursor, nxt))
+            ds._advise(self.ahead[1])
+        raw = list(ds.reader.read_ids(ids))
         t1 = time.perf_counter()
         o = self.dataset.options
         if o.decode:
@@ -209,7 +221,7 @@ class ShardLoader:
         plan = self._plan()
         steps = range(self._num_steps(plan))
         spec = {"epoch": ds.epoch, "cursor": ds._cursor, "world_size": topo.world_size,
-                "rank": topo.rank, "batch_size": self.batch_size}
+                "rank": topo.rank, "batch_size": self.batch_size, "stride": pool.num_workers}
         self._delivered = 0
         self._finished = False
         self._stats.begin_epoch()

@@ -39,6 +39,7 @@ from ._scan import LABEL_FIELD, Sample, ScanResult, scan_source
 from .checksum import DEFAULT_DIGEST, digest_bytes, file_digest
 from .codec import Codec, train_dictionary
 from .config import PackOptions, parse_parity
+from .lustre import LayoutRequest, detect_fs
 from .errors import (
     EmptySourceError,
     OutputInsideSourceError,
@@ -203,10 +204,11 @@ def _read_file(path: str, size: int = 0) -> bytes:
 
 
 def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
-                on_error: str) -> tuple[int, WrittenShard, Counter[str]]:
+                on_error: str, layout: LayoutRequest | None = None
+                ) -> tuple[int, WrittenShard, Counter[str]]:
     """Write one shard (runs in a worker process, or inline with one worker)."""
     skipped: Counter[str] = Counter()
-    writer = open_writer(fmt, task.final, codec, checksum, fsync)
+    writer = open_writer(fmt, task.final, codec, checksum, fsync, layout)
     add, op, rd, cl = writer.add, os.open, os.read, os.close
     labels: dict[int, bytes] = {}
     # Files are opened relative to a descriptor of their directory, so the kernel resolves one
@@ -422,8 +424,9 @@ def _dictionary(out: str, samples: list[Sample], level: int, state: dict[str, An
 
 
 def _run_tasks(tasks: list[_Task], options: PackOptions, codec: Codec,
-               done: Callable[[WrittenShard, Counter[str]], None]) -> None:
-    args = (options.format, codec, options.checksum, options.fsync, options.on_error)
+               done: Callable[[WrittenShard, Counter[str]], None],
+               layout: LayoutRequest | None = None) -> None:
+    args = (options.format, codec, options.checksum, options.fsync, options.on_error, layout)
     workers = min(options.workers, len(tasks))
     if workers <= 1:
         for t in tasks:
@@ -748,13 +751,29 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
             todo.append(t)
         else:
             done(w, Counter())
+    layout, layout_note = _layout_for(out, options)
     try:
-        _run_tasks(todo, options, codec, done)
+        _run_tasks(todo, options, codec, done, layout)
     finally:
         _release_buffers(options.format)
         if bar is not None:
             bar.close()
-    return _publish(out, options, scan, codec, job, [results[t.final] for t in tasks], skipped)
+    manifest = _publish(out, options, scan, codec, job, [results[t.final] for t in tasks], skipped,
+                        layout_note)
+    return manifest
+
+
+def _layout_for(out: str, options: PackOptions) -> tuple[LayoutRequest | None, str]:
+    """The Lustre layout to create shards with (None off Lustre) and a line for the summary."""
+    fs = detect_fs(out)
+    pool = f" in pool {options.stripe_pool}" if options.stripe_pool else ""
+    count = "all OSTs" if options.stripe_count == -1 else f"{options.stripe_count} stripe(s)"
+    want = f"{count} of {options.stripe_size >> 10} KiB{pool}"
+    if fs.kind != "lustre":
+        return None, f"{fs.kind} filesystem ({fs.fstype}), not Lustre: layout ({want}) not set"
+    request = LayoutRequest(stripe_count=options.stripe_count, stripe_size=options.stripe_size,
+                            pool=options.stripe_pool)
+    return request, f"Lustre: each shard created with {want}, read back and confirmed"
 
 
 def _progress_bar(progress: bool | None, scan: Any) -> Any:
@@ -769,7 +788,7 @@ def _progress_bar(progress: bool | None, scan: Any) -> Any:
 
 
 def _publish(out: str, options: PackOptions, scan: Any, codec: Codec, job: str,
-             written: list[WrittenShard], skipped: Counter[str]) -> Manifest:
+             written: list[WrittenShard], skipped: Counter[str], layout_note: str = "") -> Manifest:
     fields: Counter[str] = Counter()
     for w in written:
         fields.update(w.fields)
@@ -806,6 +825,7 @@ def _publish(out: str, options: PackOptions, scan: Any, codec: Codec, job: str,
             "skipped": dict(sorted(skipped.items())),
             "metadata_ops_small_files": 2 * scan.files,
             "metadata_ops_shards": per_shard_ops * len(written),
+            "layout": layout_note,
         },
         job=job,
         created_by=f"shardio {__version__}",

@@ -21,6 +21,7 @@ from .errors import (
     UnrepairableError,
 )
 from .formats import ShardIndex, ShardReader, load_index
+from .lustre import detect_fs, get_layout, read_block_size, spread_by_ost
 from .manifest import Manifest
 from .repair import FAULTS, Copy, CopyLadder
 
@@ -88,6 +89,8 @@ class DatasetReader:
                                  quarantine=quarantine, on_corrupt=on_corrupt)
         self.counters = self.ladder.counters
         self.read_block = read_block
+        self._fs: str | None = None
+        self._osts: dict[int, int | None] = {}
         self._readers: OrderedDict[int, tuple[Copy, ShardReader]] = OrderedDict()
         self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
         self._advised: set[int] = set()
@@ -139,6 +142,8 @@ class DatasetReader:
 
     def _open_copy(self, i: int, kind: str, path: str) -> ShardReader:
         entry = self.manifest.shards[i]
+        if self._fs is None:
+            _ = self.on_lustre  # sets read_block from the stripe size on Lustre
         self.counters.add("stats")
         try:
             size = os.stat(path).st_size
@@ -183,14 +188,35 @@ class DatasetReader:
         if copy is not None:
             self.ladder.failed(i, copy, exc)
 
+    @property
+    def on_lustre(self) -> bool:
+        """Whether the dataset directory is on Lustre (probed once per process)."""
+        if self._fs is None:
+            self._fs = detect_fs(self.root).kind
+            if self._fs == "lustre" and self.num_shards:
+                # Coalesced reads: whole multiples of the stripe size, at least 4 MiB.
+                layout = get_layout(self.shard_path(0))
+                block = read_block_size(layout)
+                self.read_block = -(-max(self.read_block, block) // block) * block
+        return self._fs == "lustre"
+
+    def ost_of(self, i: int) -> int | None:
+        """The storage target (Lustre OST index) holding the start of shard ``i``, or None."""
+        if i not in self._osts:
+            layout = get_layout(self.shard_path(i)) if self.on_lustre else None
+            self._osts[i] = layout.first_ost if layout is not None else None
+        return self._osts[i]
+
     def willneed(self, shards: Iterable[int], limit: int = 4) -> None:
         """Start background reads (``POSIX_FADV_WILLNEED``) of up to ``limit`` upcoming shards
-        not yet advised, opening them early; faults are left for the real read to handle."""
-        for i in shards:
+        not yet advised, opening them early; faults are left for the real read to handle.  On
+        Lustre the shards advised together are picked from distinct OSTs where possible."""
+        fresh = list(dict.fromkeys(i for i in shards if i not in self._advised))
+        if self.on_lustre and len(fresh) > 1:
+            fresh = spread_by_ost(fresh, self.ost_of, max(limit, 1))
+        for i in fresh:
             if limit <= 0:
                 return
-            if i in self._advised:
-                continue
             self._advised.add(i)
             limit -= 1
             try:
@@ -294,6 +320,7 @@ class DatasetReader:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_readers"], state["_indexes"], state["_advised"] = OrderedDict(), OrderedDict(), set()
+        state["_fs"], state["_osts"] = None, {}
         return state
 
 

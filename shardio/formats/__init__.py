@@ -6,6 +6,9 @@ Each format provides a writer and an index loader; reading is shared (:class:`Sh
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 from ..codec import Codec
 from ..config import FORMATS, check_format
 from .base import (
@@ -18,6 +21,9 @@ from .base import (
     verify_fields,
 )
 
+if TYPE_CHECKING:
+    from ..lustre import LayoutRequest
+
 __all__ = [
     "FORMATS",
     "IndexBuilder",
@@ -27,6 +33,7 @@ __all__ = [
     "ShardWriter",
     "WrittenShard",
     "check_format",
+    "create_shard_file",
     "load_index",
     "open_writer",
     "shard_suffix",
@@ -40,15 +47,34 @@ def shard_suffix(fmt: str) -> str:
     return _SUFFIX[check_format(fmt)]
 
 
-def open_writer(fmt: str, final: str, codec: Codec, checksum: str, fsync: bool = True) -> ShardWriter:
-    """A writer that publishes ``final`` (and its index) atomically on ``close()``."""
+def open_writer(fmt: str, final: str, codec: Codec, checksum: str, fsync: bool = True,
+                layout: LayoutRequest | None = None) -> ShardWriter:
+    """A writer that publishes ``final`` (and its index) atomically on ``close()``.
+
+    ``layout``: create the shard with this Lustre layout (delayed create, set, read back; see
+    :func:`shardio.lustre.create_striped`); pass it only when the output is on Lustre.
+    """
     if check_format(fmt) == "tar":
         from .tar import TarWriter
 
-        return TarWriter(final, codec, checksum, fsync)
+        return TarWriter(final, codec, checksum, fsync, layout)
     from .hdf5 import Hdf5Writer
 
-    return Hdf5Writer(final, codec, checksum, fsync)
+    return Hdf5Writer(final, codec, checksum, fsync, layout)
+
+
+def create_shard_file(path: str, layout: LayoutRequest | None) -> int:
+    """Create ``path`` for writing (replacing a stale file of that name), with ``layout`` on
+    Lustre; returns the descriptor."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    if layout is not None:
+        from ..lustre import create_striped
+
+        return create_striped(path, layout)[0]
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
 
 
 def load_index(fmt: str, path: str) -> ShardIndex:

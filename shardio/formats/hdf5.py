@@ -67,8 +67,10 @@ class Hdf5Writer(ShardWriter):
 
     suffix = ".h5"
 
-    def __init__(self, final: str, codec: Codec, checksum: str, fsync: bool = True) -> None:
+    def __init__(self, final: str, codec: Codec, checksum: str, fsync: bool = True,
+                 layout: Any = None) -> None:
         self.final = final
+        self.layout = layout
         self.codec = codec
         self.fsync = fsync
         self._tmp = tmp_name(final)
@@ -115,6 +117,11 @@ class Hdf5Writer(ShardWriter):
         h5py = _h5py()
         index = self._index.build(meta)
         try:
+            if self.layout is not None:
+                # Create it empty with its Lustre layout first; h5py's truncating open keeps it.
+                from . import create_shard_file
+
+                os.close(create_shard_file(self._tmp, self.layout))
             with h5py.File(self._tmp, "w", libver=("earliest", "v110"), track_order=False) as f:
                 f.attrs["shardio_format"] = FORMAT_NAME
                 f.attrs["shardio_version"] = FORMAT_VERSION

@@ -155,8 +155,10 @@ class TarWriter(ShardWriter):
 
     suffix = ".tar"
 
-    def __init__(self, final: str, codec: Codec, checksum: str, fsync: bool = True) -> None:
+    def __init__(self, final: str, codec: Codec, checksum: str, fsync: bool = True,
+                 layout: Any = None) -> None:
         self.final = final
+        self.layout = layout
         self.index_final = final + ".idx"
         self.codec = codec
         self.fsync = fsync
@@ -179,7 +181,13 @@ class TarWriter(ShardWriter):
 
     def _open(self) -> None:
         try:
-            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            if self.layout is None:
+                self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                                   0o644)
+            else:
+                from . import create_shard_file
+
+                self._fd = create_shard_file(self._tmp, self.layout)
         except OSError as exc:
             raise translate_oserror(exc, self.final, "creating shard") from exc
 
