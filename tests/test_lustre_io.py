@@ -1,0 +1,94 @@
+"""Lustre in the data path, through the fake probe of tests/fake_lfs.py: ``shardio pack`` creates
+each shard with the requested layout (and refuses to publish when Lustre ignores it), readers
+size their reads from the stripe size and spread read-ahead over OSTs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import shardio
+import shardio.lustre
+from shardio import Manifest, PackOptions, pack
+from shardio.errors import LayoutNotAppliedError, UsageError
+from shardio.lustre import parse_lov
+from shardio.reader import DatasetReader
+from tests.fake_lfs import EXT4_MAGIC, LL_SUPER_MAGIC, LOV_MAGIC_V1, FakeProbe, pack_lmm
+
+
+def fake_lustre(monkeypatch: pytest.MonkeyPatch, root: Path, cls: type = FakeProbe) -> FakeProbe:
+    """Make ``root`` look like a Lustre mount to every probe shardio creates."""
+    probe = cls({"/": EXT4_MAGIC, os.path.realpath(root): LL_SUPER_MAGIC}, "", n_osts=8)
+    monkeypatch.setattr(shardio.lustre, "FsProbe", lambda: probe)
+    return probe
+
+
+def test_pack_sets_and_confirms_the_layout_on_lustre(image_tree: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "lustre" / "ds"
+    out.mkdir(parents=True)
+    probe = fake_lustre(monkeypatch, tmp_path / "lustre")
+    m = pack(image_tree, out, PackOptions(samples_per_shard=20, stripe_count=2,
+                                          stripe_size="1MiB", fsync=False))
+    assert m.stats["layout"].startswith("Lustre: each shard created with 2 stripe(s) of 1024 KiB")
+    assert probe.calls.count("open_delay_create") == len(m.shards) == 3
+    layouts = [parse_lov(x["lustre.lov"]) for x in probe.xattrs.values() if "lustre.lov" in x]
+    assert len(layouts) == 3
+    assert all(lay.stripe_count == 2 and lay.stripe_size == 1 << 20 for lay in layouts)
+    assert shardio.verify_dataset(str(out)) == []
+
+
+class _NoDelay(FakeProbe):
+    """A client that forgets O_LOV_DELAY_CREATE: objects exist before the layout is set."""
+
+    def open_delay_create(self, path: str, mode: int = 0o644) -> int:
+        self.calls.append("open (no delay)")
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+
+
+def test_layout_ignored_by_lustre_publishes_nothing(image_tree: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "lustre" / "ds"
+    out.mkdir(parents=True)
+    fake_lustre(monkeypatch, tmp_path / "lustre", _NoDelay)
+    with pytest.raises(LayoutNotAppliedError, match="stripe"):
+        pack(image_tree, out, PackOptions(samples_per_shard=20, stripe_count=4, fsync=False))
+    left = sorted(p.name for p in out.iterdir())
+    assert not any(n.endswith((".tar", ".idx")) or ".shardio-tmp" in n for n in left), left
+    assert "manifest.json" not in left
+
+
+def test_pack_off_lustre_reports_the_layout_ignored(image_tree: Path, tmp_path: Path, cli) -> None:
+    rc, out, err = cli("pack", image_tree, tmp_path / "ds", "--samples-per-shard", "30",
+                       "--stripe-count", "4", "--no-fsync")
+    assert rc == 0, err
+    assert "not Lustre: layout (4 stripe(s) of 4096 KiB) not set" in out
+
+
+def test_layout_options_are_validated() -> None:
+    with pytest.raises(UsageError, match="64KiB"):
+        PackOptions(stripe_size="100KB")
+    with pytest.raises(UsageError, match="stripe_count"):
+        PackOptions(stripe_count=0)
+
+
+def test_reader_uses_stripe_multiples_and_spreads_over_osts(
+        image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "lustre" / "ds"
+    pack(image_tree, root, PackOptions(samples_per_shard=6, fsync=False))
+    probe = fake_lustre(monkeypatch, tmp_path / "lustre")
+    m = Manifest.load(root)
+    # Shards 0-9: OSTs 0,0,0,1,1,1,2,2,2,3 (stripe 3 MiB -> reads in 6 MiB, >= 4 MiB minimum).
+    for i, entry in enumerate(m.shards):
+        real = os.path.realpath(root / entry.path)
+        probe.xattrs[real] = {"lustre.lov": pack_lmm(LOV_MAGIC_V1, 3 << 20, 1, oi=(i + 1, 1),
+                                                     offset=0, osts=[i // 3])}
+    r = DatasetReader(root)
+    assert r.on_lustre
+    assert r.read_block % (3 << 20) == 0 and r.read_block >= 4 << 20
+    assert [r.ost_of(i) for i in range(4)] == [0, 0, 0, 1]
+    r.willneed(range(len(m.shards)), limit=3)
+    assert sorted(r.ost_of(i) for i in r._advised) == [0, 1, 2]  # three shards, three OSTs
+    assert len(list(r)) == m.num_samples
