@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from .. import _inject
 from .._fsutil import translate_oserror
 from ..checksum import hex64, sample_checksum_fn
 from ..codec import Codec
@@ -419,6 +420,8 @@ class ShardReader:
             )
         if self.on_read is not None:
             self.on_read(n)
+        if _inject.ACTIVE:
+            _inject.delay(self.path, n)
         return data
 
     def willneed(self) -> None:

@@ -1,0 +1,56 @@
+"""Slow storage, simulated: a delay added to shardio's own reads of files under given directories.
+
+For benchmarks and demos that need a slow shared filesystem on a machine that has none (the
+staging benchmark measures a node-local cache against it).  Set before the process starts::
+
+    SHARDIO_SLOW_READS="DIR:BANDWIDTH:LATENCY[,DIR:BANDWIDTH:LATENCY...]"
+    e.g. SHARDIO_SLOW_READS="/data/shared:200MB:0.002"
+
+Every read shardio makes of a file under ``DIR`` (shard reads, stager copies) then costs
+``LATENCY`` seconds plus ``bytes / BANDWIDTH``, slept in the reading process: a per-process
+model of a loaded parallel filesystem (each reader sees that latency and bandwidth).  Unset, the
+only cost is one attribute test per read.  Never set in production.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ._fsutil import parse_size
+from .errors import UsageError
+
+__all__ = ["ACTIVE", "delay", "parse_rules"]
+
+ENV = "SHARDIO_SLOW_READS"
+
+
+def parse_rules(text: str) -> list[tuple[str, float, float]]:
+    """``DIR:BANDWIDTH:LATENCY`` rules -> ``[(dir + "/", bytes_per_s, latency_s)]``.
+
+    Raises:
+        UsageError: a malformed rule.
+    """
+    rules = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            d, bw, lat = part.rsplit(":", 2)
+            rules.append((os.path.realpath(d).rstrip("/") + "/", float(parse_size(bw)),
+                          float(lat)))
+        except (ValueError, UsageError) as exc:
+            raise UsageError(f"{ENV}: bad rule {part!r}; write DIR:BANDWIDTH:LATENCY, e.g. "
+                             "/data/shared:200MB:0.002") from exc
+    return rules
+
+
+_RULES = parse_rules(os.environ.get(ENV, ""))
+ACTIVE = bool(_RULES)
+
+
+def delay(path: str, nbytes: int) -> None:
+    """Sleep as a read of ``nbytes`` from ``path`` would take on the simulated slow store."""
+    real = os.path.realpath(path)
+    for prefix, bw, lat in _RULES:
+        if real.startswith(prefix):
+            time.sleep(lat + nbytes / bw)
+            return
