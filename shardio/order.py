@@ -196,7 +196,8 @@ def node_schedule(order: EpochOrder, *, world_size: int = 1, local_world_size: i
 
     The node's ranks are ``node * local_world_size ...`` (consecutive, as torchrun and Slurm
     number them), so at each step the node reads one contiguous slice of the epoch order.
-    Memory is one int64 per sample the node reads.
+    Memory is a few int64 per sample the node reads plus one shuffle block: sample ids are
+    looked up block by block, in the blocks the node reads, never over the whole epoch.
     """
     n = len(order)
     plan = RankPlan(n, world_size, 0, batch_size, remainder)
@@ -219,7 +220,7 @@ def node_schedule(order: EpochOrder, *, world_size: int = 1, local_world_size: i
     rep_start = np.repeat(start - np.concatenate([[0], np.cumsum(length)[:-1]]), length)
     positions = (np.arange(total, dtype=np.int64) + rep_start) % n
     times = np.repeat(step_pos, length)
-    ids = order.samples(0, n)[positions]
+    ids = _ids_by_block(order, positions)
     shard_of = np.searchsorted(order.offsets, ids, side="right") - 1
     # first/last time per shard
     k = np.argsort(shard_of, kind="stable")
@@ -230,3 +231,18 @@ def node_schedule(order: EpochOrder, *, world_size: int = 1, local_world_size: i
     shards, first, last = s_sorted[lo], t_sorted[lo], t_sorted[hi]
     by_first = np.argsort(first, kind="stable")
     return NodeSchedule(order.epoch, shards[by_first], first[by_first], last[by_first])
+
+
+def _ids_by_block(order: EpochOrder, positions: np.ndarray) -> np.ndarray:
+    """``order.samples(0, len(order))[positions]`` for positions in ``[0, len(order))``, built
+    one shuffle block at a time (only the blocks the positions fall in)."""
+    ids = np.empty(len(positions), np.int64)
+    k = np.argsort(positions, kind="stable")
+    pos = positions[k]
+    blocks = np.searchsorted(order.block_start, pos, side="right") - 1
+    cuts = np.flatnonzero(np.diff(blocks)) + 1
+    bounds = np.concatenate([[0], cuts, [len(pos)]]).tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        b = int(blocks[lo])
+        ids[k[lo:hi]] = order.block(b)[pos[lo:hi] - order.block_start[b]]
+    return ids

@@ -1,0 +1,1483 @@
+"""Clairvoyant staging of shards to node-local storage, one stager per node for every process on it.
+
+The order of every epoch is known in advance (:mod:`shardio.order`), so the stager knows which
+shards this node reads, and when.  It copies them, in the order they will be read, from the shared
+filesystem to a node-local cache directory (NVMe), within a byte budget and a free-space reserve,
+and evicts by Belady's rule (the cached shard needed farthest ahead goes first), not LRU.
+
+Files under ``<cache_dir>/shardio-<first 16 hex of the manifest digest>/``::
+
+    .stager.lock    flock(LOCK_EX) held by the stager for its lifetime; holds its pid (informational)
+    .node           node file (mmap, layout below): stager status, node counters, shard states
+    .progress/PID   one per reading process (mmap, 64 bytes): where that process is in the epoch
+    .journal        JSON lines, one per stager action (only with ``StageOptions(journal=True)``)
+    data/<path>     published copies: shard and ``.idx`` at the manifest's relative paths
+
+Node file (little-endian; written by the stager except where noted)::
+
+    offset  size  field         meaning
+    0       8     magic         b"SHRDSTG1" (written once by the creator, with the next three)
+    8       4     version       1
+    12      4     nshards       len(manifest.shards)
+    16      4     slots         counter slots (32)
+    24      8     stager_pid    pid of the process staging now, 0 when none
+    32      8     idle          0 busy; 1 idle, no reader reported; T+2 idle at frontier time T
+    40      8     generation    +1 each time a stager takes the lock
+    64      8*32  counters      u64, in the order of COUNTERS then GAUGES; ``discarded`` is added
+                                to by readers (atomic fetch-add), every other slot by the stager
+    320     4*N   state         u32 per shard: ShardState (futex word; readers only read it, except
+                                discard(), which unlinks the copy, then stores REMOTE)
+
+Progress file ``.progress/PID``: magic b"SHRDPRG1" then one u64 word, 0 (nothing reported) or
+``T + 1`` where the time ``T = epoch << 40 | position`` orders (epoch, position) pairs as integers.
+It is created complete (temp name, rename), updated in place by a release store (no system call
+per report), removed at exit (atexit) or by :meth:`NodeCache.close`; the stager drops files of
+dead pids (``/proc/PID`` gone or a zombie).  The *frontier* is the (min, max) over live reporters.
+
+Protocol between readers and the stager
+    A reader calls ``report(epoch, position)`` before reading the step that starts at that epoch
+    position, then ``lookup(i)`` for each shard of the step it opens: the published copy's path,
+    or ``None`` (read the original directly).  ``lookup`` fences, then reads ``state[i]``; when it
+    is STAGING it may wait (``wait`` seconds) for the copy instead of reading the original.  The
+    stager stores STAGING, fences, then re-reads the frontier, and abandons the copy if a reader
+    has begun that shard's interval.  Either the stager sees the reader's report, or the reader
+    sees STAGING: with waiting readers a shard is read from the shared filesystem at most once per
+    node per use.  ``discard(i)`` (the repair ladder found the copy bad) unlinks the copy, then
+    stores REMOTE; the stager notices the state change and copies the shard again for its next
+    use.
+
+Shard states (``state[i]``)::
+
+    REMOTE --stager begins a copy--> STAGING --verified, renamed--> LOCAL
+    STAGING --digest mismatch / ENOSPC / readers began it--> REMOTE
+    LOCAL --evicted, failed re-verification, discard()--> REMOTE
+
+Staging loop (:class:`Stager`)
+    The accesses of epochs ``[e, e + lookahead]`` (``e`` the frontier's epoch, re-planned when it
+    changes) are walked in order of first use.  An access whose interval has begun (frontier max
+    at or past its first step) is being read directly: it is skipped, and its shard staged for its
+    next use instead.  A cached shard is re-verified once in each later epoch that uses it, before
+    that use (``verify_reuse``).  A missing shard is admitted when it fits; otherwise
+    :func:`belady_plan` names the victims: cached shards needed later than the newcomer's *next*
+    use (farthest first), or refuses (the newcomer would be evicted first: it is read directly,
+    exactly as a bypass in Belady's MIN).  Victims still in use, or needed before the newcomer,
+    make the stager wait for the readers (polling the frontier, no busy spin).  The walk never
+    evicts a shard whose interval overlaps the frontier span.  :func:`simulate` runs the same
+    planner on a model, with readers in lockstep, and is what tests compare the stager with.
+
+Copies
+    Read in 4 MiB blocks (``POSIX_FADV_SEQUENTIAL``, a token bucket when ``bandwidth`` is set),
+    hashed while copying, written to a temp name (``TMP_MARK``) in the same directory, fsynced,
+    compared with the manifest digests (shard and index), then renamed (index first, shard last,
+    directory fsynced).  A mismatch means the original is corrupt: nothing is published,
+    ``verify_failures`` is counted, readers (and the repair ladder) deal with the original.
+    ENOSPC/EDQUOT, or free space that would fall below ``reserve``, shrink the budget to what is in
+    use, with one warning on the ``shardio.stage`` logger; readers read the rest directly.
+
+Budget accounting counts file bytes (shard + index), temp files included.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import ctypes
+import errno
+import faulthandler
+import fcntl
+import gc
+import heapq
+import json
+import logging
+import math
+import mmap
+import os
+import signal
+import struct
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from . import _inject
+from ._atomics import fence as _fence
+from ._atomics import fetch_add_u64 as _fetch_add_u64
+from ._atomics import futex_wait as _futex_wait
+from ._atomics import futex_wake as _futex_wake
+from ._atomics import load_u32 as _load_u32
+from ._atomics import load_u64 as _load_u64
+from ._atomics import store_u32 as _store_u32
+from ._atomics import store_u64 as _store_u64
+from ._fsutil import TMP_MARK, fsync_dir, parse_size, resolve_in, tmp_name
+from .checksum import file_digest, new_digest
+from .errors import StagingError, UsageError
+from .manifest import Manifest
+
+__all__ = ["COUNTERS", "DEFAULT_FALLBACKS", "GAUGES", "NodeCache", "ShardState", "StageOptions",
+           "Stager", "belady_plan", "find_cache_dir", "simulate", "time_key"]
+
+log = logging.getLogger("shardio.stage")
+
+COUNTERS = ("shards_staged", "bytes_staged", "evictions", "verify_failures", "read_errors",
+            "reverified", "reverify_failures", "discarded", "enospc", "budget_shrinks",
+            "skipped_in_use", "bypassed")
+"""Node-wide event counters.  ``bytes_staged``: bytes the stager read from the shared filesystem;
+``skipped_in_use``: uses (shard, epoch) readers began before the stager got to them (raise the
+bandwidth or start staging earlier); ``bypassed``: uses not staged because, by Belady's rule, the
+shard is not worth keeping in the budget (read directly)."""
+GAUGES = ("cached_bytes", "cached_shards", "budget")
+"""Node-wide current values, set by the stager."""
+
+DEFAULT_FALLBACKS = ("/local/scratch", "/scratch/local", "/lscratch", "/tmp")
+_ENV_ORDER = ("SHARDIO_CACHE_DIR", "SLURM_TMPDIR", "TMPDIR")
+
+_POS_BITS = 40
+_MAX_EPOCH = 1 << 23
+_MAX_POSITION = 1 << _POS_BITS
+_BLOCK = 4 << 20
+_NODE_MAGIC, _PROGRESS_MAGIC = b"SHRDSTG1", b"SHRDPRG1"
+_HEADER = struct.Struct("<8sIII")
+_OFF_PID, _OFF_IDLE, _OFF_GEN, _OFF_COUNTERS, _SLOTS = 24, 32, 40, 64, 32
+_OFF_STATE = _OFF_COUNTERS + 8 * _SLOTS
+_PROGRESS_BYTES = 64
+_SLOT = {name: _OFF_COUNTERS + 8 * n for n, name in enumerate(COUNTERS + GAUGES)}
+_WAKE_ALL = 1 << 30
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+INF = math.inf
+
+
+class ShardState(IntEnum):
+    """``state[i]`` in the node file; see the module docstring."""
+
+    REMOTE = 0
+    STAGING = 1
+    LOCAL = 2
+
+
+def time_key(epoch: int, position: int) -> int:
+    """The integer time of ``(epoch, position)``: ordered like the pair, as readers report it.
+
+    Raises:
+        UsageError: epoch outside [0, 2**23) or position outside [0, 2**40).
+    """
+    epoch, position = int(epoch), int(position)
+    if not (0 <= epoch < _MAX_EPOCH and 0 <= position < _MAX_POSITION):
+        raise UsageError(f"epoch {epoch} / position {position} out of range for staging "
+                         f"(epoch < {_MAX_EPOCH}, position < 2**{_POS_BITS})")
+    return epoch << _POS_BITS | position
+
+
+def _split(key: int) -> tuple[int, int]:
+    return key >> _POS_BITS, key & (_MAX_POSITION - 1)
+
+
+def _size_or_zero(value: int | str) -> int:
+    return 0 if value in (0, "0") else parse_size(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageOptions:
+    """How the node stager works.
+
+    Args:
+        cache_dir: node-local directory; ``"auto"``: :func:`find_cache_dir`; ``None``: no staging.
+        budget: bytes this dataset's cache may hold (``None``: free space minus ``reserve``).
+        reserve: free space always left on the cache filesystem; ``0`` turns the check off
+            (staging then stops at the first ENOSPC/EDQUOT).
+        bandwidth: cap on the stager's reads from the shared filesystem, bytes/s (token bucket).
+        lookahead: epochs beyond the current one that are planned (and staged when space allows).
+        verify_reuse: re-hash a cached copy once in each later epoch that uses it, before that
+            use; ``False`` trusts a copy verified at publication (and, after a stager restart, a
+            copy of the right size).
+        poll_interval: seconds between looks at the readers' progress while the stager waits.
+        journal: append one JSON line per stager action to ``<dir>/.journal`` (diagnosis, tests).
+    """
+
+    cache_dir: str | None = None
+    budget: int | str | None = None
+    reserve: int | str = "1GiB"
+    bandwidth: int | str | None = None
+    lookahead: int = 1
+    verify_reuse: bool = True
+    poll_interval: float = 0.05
+    journal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            object.__setattr__(self, "budget", _size_or_zero(self.budget))
+        object.__setattr__(self, "reserve", _size_or_zero(self.reserve))
+        if self.bandwidth is not None:
+            object.__setattr__(self, "bandwidth", parse_size(self.bandwidth))
+        if not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise UsageError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
+        if not self.poll_interval > 0:
+            raise UsageError(f"poll_interval must be > 0 seconds, got {self.poll_interval!r}")
+
+
+def find_cache_dir(env: Mapping[str, str] | None = None, *,
+                   fallbacks: Sequence[str] = DEFAULT_FALLBACKS) -> str | None:
+    """The first existing, writable node-local directory, or ``None``.
+
+    Order: ``$SHARDIO_CACHE_DIR``, ``$SLURM_TMPDIR``, ``$TMPDIR`` (unless it is plain ``/tmp``),
+    then ``fallbacks``: ``/local/scratch``, ``/scratch/local``, ``/lscratch``, ``/tmp`` (last:
+    often small or in memory; set a ``budget``).
+
+    Args:
+        env: environment to read (``None``: ``os.environ``, read at the call).
+    """
+    env = os.environ if env is None else env
+    candidates = [v for var in _ENV_ORDER if (v := env.get(var))
+                  and not (var == "TMPDIR" and os.path.normpath(v) == "/tmp")]
+    for path in (*candidates, *fallbacks):
+        if os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK):
+            return os.path.abspath(path)
+    return None
+
+
+_FORKS = [0]
+"""Bumped in every forked child, so report() notices a fork without a getpid() system call."""
+
+
+def _count_fork() -> None:
+    _FORKS[0] += 1
+
+
+def _watch_forks() -> None:
+    if _FORKS[0] == 0:
+        _FORKS[0] = 1
+        os.register_at_fork(after_in_child=_count_fork)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X")
+
+
+def _unlink(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _unlink_if_owner(path: str, pid: int) -> None:
+    if os.getpid() == pid:  # atexit handlers are inherited by forked children
+        _unlink(path)
+
+
+def _staging_error(exc: OSError, path: str, what: str) -> StagingError:
+    why = "the filesystem is full" if exc.errno in _FULL else (exc.strerror or str(exc))
+    return StagingError(f"cannot {what} {path}: {why}; choose another node-local directory "
+                        "(StageOptions(cache_dir=...), cache_dir='auto' or $SHARDIO_CACHE_DIR)")
+
+
+class NodeCache:
+    """The node-local cache of one dataset, as every process on the node uses it.
+
+    Args:
+        cache_dir: existing node-local directory; the dataset's cache is a subdirectory.
+        root: the dataset directory on the shared filesystem (the originals).
+        manifest: the dataset's manifest.
+        wait: default seconds :meth:`lookup` waits for a copy in progress (0: never wait).
+
+    Raises:
+        StagingError: ``cache_dir`` is missing, not writable or full.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike[str], root: str | os.PathLike[str],
+                 manifest: Manifest, *, wait: float = 10.0) -> None:
+        self.cache_dir, self.root, self.manifest = os.fspath(cache_dir), os.fspath(root), manifest
+        self.wait = float(wait)
+        digest = str(manifest.to_dict()["manifest_digest"])
+        self.dir = os.path.join(self.cache_dir, f"shardio-{digest[:16]}")
+        self.data_dir = os.path.join(self.dir, "data")
+        self.progress_dir = os.path.join(self.dir, ".progress")
+        if not os.path.isdir(self.cache_dir):
+            raise StagingError(f"cache_dir {self.cache_dir} does not exist; create it or pass "
+                               "another node-local directory (StageOptions(cache_dir=...), "
+                               "cache_dir='auto' or $SHARDIO_CACHE_DIR)")
+        try:
+            os.makedirs(self.progress_dir, exist_ok=True)
+            os.makedirs(self.data_dir, exist_ok=True)
+        except OSError as exc:
+            raise _staging_error(exc, self.dir, "create the node cache") from exc
+        if not os.access(self.dir, os.W_OK | os.X_OK):
+            raise StagingError(f"node cache {self.dir} is not writable; pass another cache_dir "
+                               "(StageOptions(cache_dir=...) or $SHARDIO_CACHE_DIR)")
+        self.n = len(manifest.shards)
+        self._mm = self._open_node()
+        self._paths: list[str | None] = [None] * self.n
+        self._progress: mmap.mmap | None = None
+        self._progress_pid = 0
+        self._progress_forks = -1
+        self._closed = False
+        _watch_forks()
+
+    @classmethod
+    def from_options(cls, root: str | os.PathLike[str], manifest: Manifest,
+                     options: StageOptions, env: Mapping[str, str] | None = None,
+                     ) -> NodeCache | None:
+        """The node cache ``options`` ask for, or ``None`` (no ``cache_dir``, or ``"auto"``
+        found no local directory)."""
+        where = options.cache_dir
+        if where == "auto":
+            where = find_cache_dir(env)
+        return None if where is None else cls(where, root, manifest)
+
+    # --- the node file -----------------------------------------------------------------------
+    def _open_node(self) -> mmap.mmap:
+        path = os.path.join(self.dir, ".node")
+        size = _OFF_STATE + 4 * self.n
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                self._create_node(path, size)
+                continue
+            except OSError as exc:
+                raise _staging_error(exc, path, "open") from exc
+            try:
+                if os.fstat(fd).st_size < size:
+                    raise StagingError(f"{path} is truncated; remove {self.dir} (it is a cache)")
+                mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            magic, version, nshards, slots = _HEADER.unpack_from(mm, 0)
+            if (magic, version, nshards, slots) != (_NODE_MAGIC, 1, self.n, _SLOTS):
+                mm.close()
+                raise StagingError(f"{path} is not a node file of this shardio and dataset; "
+                                   f"remove {self.dir} (it is a cache)")
+            return mm
+        raise StagingError(f"cannot create {path}; remove {self.dir} and retry")
+
+    def _create_node(self, path: str, size: int) -> None:
+        tmp = tmp_name(path)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:  # zeros written, not a sparse file: a full disk fails here, never as SIGBUS
+                os.pwrite(fd, _HEADER.pack(_NODE_MAGIC, 1, self.n, _SLOTS).ljust(size, b"\0"), 0)
+                try:
+                    os.link(tmp, path)  # publishes a complete file, and never replaces one
+                except FileExistsError:
+                    pass
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise _staging_error(exc, path, "create") from exc
+        finally:
+            _unlink(tmp)
+
+    # --- copies ------------------------------------------------------------------------------
+    def path(self, i: int) -> str:
+        """Where the copy of shard ``i`` lives (published or not)."""
+        p = self._paths[i]
+        if p is None:
+            p = self._paths[i] = resolve_in(self.data_dir, self.manifest.shards[i].path)
+        return p
+
+    def index_path(self, i: int) -> str | None:
+        """Where the copy of shard ``i``'s index file lives, or ``None`` (no index file)."""
+        rel = self.manifest.shards[i].index
+        return None if rel is None else resolve_in(self.data_dir, rel)
+
+    def state(self, i: int) -> ShardState:
+        return ShardState(_load_u32(self._mm, _OFF_STATE + 4 * i))
+
+    def lookup(self, i: int, wait: float | None = None) -> str | None:
+        """The published, verified copy of shard ``i`` (its index copy lies beside it), or ``None``.
+
+        Args:
+            wait: seconds to wait when the stager is copying this shard right now (``None``: the
+                cache's default); the copy is then used instead of a second read of the original.
+        """
+        if not 0 <= i < self.n:
+            raise IndexError(f"shard {i} out of range (0..{self.n - 1})")
+        off = _OFF_STATE + 4 * i
+        _fence()  # pairs with the stager's fence: our report() is seen, or STAGING is
+        s = _load_u32(self._mm, off)
+        if s == ShardState.STAGING:
+            budget = self.wait if wait is None else wait
+            deadline = time.monotonic() + budget
+            while s == ShardState.STAGING and budget > 0 and self._stager_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                _futex_wait(self._mm, off, int(ShardState.STAGING), min(left, 0.5))
+                s = _load_u32(self._mm, off)
+        return self.path(i) if s == ShardState.LOCAL else None
+
+    def discard(self, i: int, reason: str) -> None:
+        """Remove the copy of shard ``i`` (found bad by a reader); the stager copies it again."""
+        # Files first, state last: the stager copies the shard again as soon as it sees REMOTE,
+        # and an unlink after that would remove the new copy.  (Until then a lookup may name a
+        # file already gone: opening it fails, which the repair ladder treats as a missing copy.)
+        for p in (self.path(i), self.index_path(i)):
+            try:
+                _unlink(p)
+            except OSError as exc:
+                log.warning("node cache: cannot remove %s: %s", p, exc)
+        _fetch_add_u64(self._mm, _SLOT["discarded"], 1)
+        off = _OFF_STATE + 4 * i
+        _store_u32(self._mm, off, int(ShardState.REMOTE))
+        _futex_wake(self._mm, off, _WAKE_ALL)
+        log.warning("node cache: discarded the copy of shard %s (%s); the stager copies it again",
+                    self.manifest.shards[i].path, reason)
+
+    # --- progress ----------------------------------------------------------------------------
+    def report(self, epoch: int, position: int) -> None:
+        """Tell the stager this process now reads the step starting at ``position`` of ``epoch``.
+
+        The first call (per process: forked children get their own file) creates
+        ``.progress/<pid>``; later calls are one store into its mapping, no system call.
+        """
+        word = time_key(epoch, position) + 1
+        if self._progress_forks != _FORKS[0]:
+            self._open_progress(word)
+        elif self._progress is not None:
+            _store_u64(self._progress, 8, word)
+
+    def _open_progress(self, word: int) -> None:
+        pid = self._progress_pid = os.getpid()
+        self._progress_forks = _FORKS[0]
+        self._progress = None
+        if self._closed:
+            return
+        path = os.path.join(self.progress_dir, str(pid))
+        tmp = tmp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(struct.pack("<8sQ", _PROGRESS_MAGIC, word).ljust(_PROGRESS_BYTES, b"\0"))
+            os.replace(tmp, path)
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._progress = mmap.mmap(fd, _PROGRESS_BYTES)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            _unlink(tmp)
+            log.warning("node cache: cannot create %s (%s); the stager will not see this "
+                        "process's progress", path, exc)
+            return
+        atexit.register(_unlink_if_owner, path, pid)
+
+    def frontier(self) -> tuple[int, int] | None:
+        """The smallest ``(epoch, position)`` reported by a live process, or ``None``."""
+        reporters = _Reporters(self.progress_dir)
+        try:
+            span = reporters.poll()
+        finally:
+            reporters.close()
+        return None if span is None else _split(span[0])
+
+    def close(self) -> None:
+        """Stop reporting: remove this process's progress file (lookups keep working).  A process
+        that stops reading must call it, or its last report holds the frontier back."""
+        if self._progress_pid == os.getpid() and self._progress is not None:
+            _unlink(os.path.join(self.progress_dir, str(self._progress_pid)))
+        self._progress = None
+        self._closed = True
+        self._progress_pid, self._progress_forks = os.getpid(), _FORKS[0]
+
+    # --- node status -------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """Node-wide counters and gauges (see :data:`COUNTERS`, :data:`GAUGES`)."""
+        return {name: _load_u64(self._mm, off) for name, off in _SLOT.items()}
+
+    def _stager_alive(self) -> bool:
+        pid = _load_u64(self._mm, _OFF_PID)
+        return pid != 0 and _pid_alive(pid)
+
+    def status(self) -> dict[str, Any]:
+        """The stager's pid (0: none), whether it is idle, and the frontier it was idle at
+        (``None`` when idle with no reader reporting)."""
+        pid = _load_u64(self._mm, _OFF_PID)
+        if pid and not _pid_alive(pid):
+            pid = 0
+        idle = _load_u64(self._mm, _OFF_IDLE) if pid else 0
+        return {"pid": pid, "idle": idle != 0,
+                "idle_at": _split(idle - 2) if idle >= 2 else None,
+                "generation": _load_u64(self._mm, _OFF_GEN)}
+
+    def journal(self) -> list[dict[str, Any]]:
+        """The stager's journal (``StageOptions(journal=True)``), oldest first."""
+        try:
+            with open(os.path.join(self.dir, ".journal"), encoding="utf-8") as f:
+                return [json.loads(line) for line in f if line.endswith("\n")]
+        except FileNotFoundError:
+            return []
+
+
+class _Reporters:
+    """The stager's view of the progress files (mapped read-only)."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+        self.maps: dict[int, mmap.mmap] = {}
+        self._checked = -INF
+
+    def poll(self) -> tuple[int, int] | None:
+        """Rescan the directory (new and dead reporters), then ``(min, max)`` reported time."""
+        self._scan()
+        lo = hi = None
+        for m in self.maps.values():
+            w = _load_u64(m, 8)
+            if w:
+                w -= 1
+                lo = w if lo is None or w < lo else lo
+                hi = w if hi is None or w > hi else hi
+        return None if lo is None or hi is None else (lo, hi)
+
+    def _scan(self) -> None:
+        try:
+            pids = {int(n) for n in os.listdir(self.dir) if n.isdigit()}
+        except FileNotFoundError:
+            pids = set()
+        for pid in [p for p in self.maps if p not in pids]:
+            self.maps.pop(pid).close()
+        now = time.monotonic()
+        check = now - self._checked >= 0.5
+        if check:
+            self._checked = now
+        for pid in pids:
+            known = pid in self.maps
+            if (check or not known) and not _pid_alive(pid):
+                if known:
+                    self.maps.pop(pid).close()
+                _unlink(os.path.join(self.dir, str(pid)))
+            elif not known:
+                try:
+                    with open(os.path.join(self.dir, str(pid)), "rb") as f:
+                        m = mmap.mmap(f.fileno(), _PROGRESS_BYTES, access=mmap.ACCESS_READ)
+                except (OSError, ValueError):
+                    continue
+                if m[:8] == _PROGRESS_MAGIC:
+                    self.maps[pid] = m
+                else:
+                    m.close()
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            m.close()
+        self.maps.clear()
+
+
+# --- policy ----------------------------------------------------------------------------------
+def belady_plan(cached: Mapping[int, int], budget: int, next_use: Mapping[int, float],
+                size: int, newcomer_next: float) -> list[int] | None:
+    """Which cached shards to evict so a newcomer of ``size`` bytes fits, by Belady's rule.
+
+    Victims are the cached shards needed after the newcomer's next use (``next_use`` larger than
+    ``newcomer_next``; ``math.inf``: not needed again), farthest first (ties: larger first, then
+    lower shard).  With the copy it is about to make being the read that serves the newcomer's
+    current access, keeping the newcomer only pays when it is needed again before them; so
+    ``None`` (do not keep it: read it directly) when those victims cannot free enough bytes.
+    With equal sizes this is Belady's MIN with bypass, optimal in shared-filesystem reads.
+
+    Args:
+        cached: shard -> bytes of every cached shard.
+        budget: bytes the cache may hold.
+        next_use: shard -> time of its next use (missing: never).
+        size: bytes of the newcomer.
+        newcomer_next: time of the newcomer's next use after the current one.
+
+    Returns:
+        The victims in eviction order (``[]`` when it fits), or ``None``.
+    """
+    used = sum(cached.values())
+    if used + size <= budget:
+        return []
+    if size > budget:
+        return None
+    need = used + size - budget
+    later = [j for j in cached if next_use.get(j, INF) > newcomer_next]
+    later.sort(key=lambda j: (-next_use.get(j, INF), -cached[j], j))
+    victims, freed = [], 0
+    for j in later:
+        victims.append(j)
+        freed += cached[j]
+        if freed >= need:
+            return victims
+    return None
+
+
+class _Planner:
+    """What the stager does next, in order of use (pure: no I/O; see the module docstring).
+
+    Accesses of the horizon are sorted by first use; ``c`` is the cursor.  For each cached shard
+    ``nu`` is the time of its next access at or after the cursor and ``pend`` the last step of
+    its accesses before the cursor (still to be read while ``pend >= frontier min``: busy).
+    """
+
+    def __init__(self, size_of: Callable[[int], int], budget: int, verify_reuse: bool) -> None:
+        self.size_of, self.budget, self.verify_reuse = size_of, budget, verify_reuse
+        self.cached: dict[int, int] = {}
+        self.verified: dict[int, int] = {}
+        self.used = 0
+        self.epoch: int | None = None
+        self.epochs: list[int] = []
+        self.shard: list[int] = []
+        self.start: list[int] = []
+        self.end: list[int] = []
+        self.ep: list[int] = []
+        self.nxt: list[int] = []
+        self.uses: dict[int, list[int]] = {}
+        self.c = 0
+        self.nu: dict[int, float] = {}
+        self.pend: dict[int, int] = {}
+        self._heap: list[tuple[float, int]] = []
+
+    def plan(self, epoch: int, schedules: Sequence[tuple[int, Any]]) -> None:
+        """Walk the accesses of ``schedules`` (``(epoch, schedule)``, epochs ascending)."""
+        shard: list[int] = []
+        start: list[int] = []
+        end: list[int] = []
+        ep: list[int] = []
+        for e, sch in schedules:
+            first = np.asarray(sch.first, dtype=np.int64)
+            order = np.argsort(first, kind="stable")
+            last = np.asarray(sch.last, dtype=np.int64)[order]
+            if len(last) and (int(first.min()) < 0 or int(last.max()) >= _MAX_POSITION):
+                raise UsageError(f"epoch {e}: schedule positions out of range for staging")
+            shard += np.asarray(sch.shards, dtype=np.int64)[order].tolist()
+            start += (first[order] + (e << _POS_BITS)).tolist()
+            end += (last + (e << _POS_BITS)).tolist()
+            ep += [e] * len(order)
+        self.epoch, self.epochs = epoch, [e for e, _ in schedules]
+        self.shard, self.start, self.end, self.ep = shard, start, end, ep
+        self.nxt = [-1] * len(shard)
+        self.uses = {}
+        seen: dict[int, int] = {}
+        for k in range(len(shard) - 1, -1, -1):
+            self.nxt[k] = seen.get(shard[k], -1)
+            seen[shard[k]] = k
+        for k, s in enumerate(shard):
+            self.uses.setdefault(s, []).append(k)
+        self.c = 0
+        self._reindex()
+
+    def _reindex(self) -> None:
+        self.nu, self.pend, self._heap = {}, {}, []
+        for j in self.cached:
+            ks = self.uses.get(j, [])
+            i = bisect.bisect_left(ks, self.c)
+            self.nu[j] = self.start[ks[i]] if i < len(ks) else INF
+            self.pend[j] = max((self.end[k] for k in ks[:i]), default=-1)
+            self._heap.append((-self.nu[j], j))
+        heapq.heapify(self._heap)
+
+    def _max_nu(self) -> float:
+        heap = self._heap
+        while heap:
+            nu, j = heap[0]
+            if self.nu.get(j) == -nu:
+                return -nu
+            heapq.heappop(heap)
+        return -INF
+
+    def advance(self, k: int) -> None:
+        """The cursor moves past access ``k``."""
+        self.c = k + 1
+        s = self.shard[k]
+        if s in self.cached:
+            nx = self.nxt[k]
+            nu = self.start[nx] if nx >= 0 else INF
+            self.nu[s] = nu
+            self.pend[s] = max(self.pend[s], self.end[k])
+            if len(self._heap) > 2 * len(self.cached) + 64:
+                self._reindex()
+            else:
+                heapq.heappush(self._heap, (-nu, s))
+
+    def admit(self, k: int, size: int) -> None:
+        """Shard ``shard[k]`` was staged for access ``k``."""
+        s = self.shard[k]
+        self.cached[s] = size
+        self.used += size
+        self.verified[s] = self.ep[k]
+        self.nu[s], self.pend[s] = self.start[k], -1
+        self.advance(k)
+
+    def evict(self, j: int) -> None:
+        self.used -= self.cached.pop(j)
+        self.nu.pop(j, None)
+        self.pend.pop(j, None)
+        self.verified.pop(j, None)
+
+    def requeue(self, j: int, hi: int | None) -> None:
+        """Shard ``j`` lost its copy: walk again from its next use that has not begun."""
+        bi = 0 if hi is None else bisect.bisect_right(self.start, hi)
+        for k in self.uses.get(j, []):
+            if k >= bi:
+                if k < self.c:
+                    self.c = k
+                    self._reindex()
+                return
+
+    def next_action(self, lo: int | None, hi: int | None) -> tuple[Any, ...]:
+        """``("skip"|"bypass"|"reverify", k)``, ``("stage", k, victims)``, ``("trim", victims)``,
+        ``("wait",)`` or ``("end",)`` for the frontier span ``lo..hi`` (``None``: no reader)."""
+        floor = 0 if lo is None else lo
+        if self.used > self.budget and (victims := self._trim(floor)):
+            return ("trim", victims)
+        began = 0 if hi is None else bisect.bisect_right(self.start, hi)
+        while True:
+            k = self.c
+            if k >= len(self.shard):
+                return ("end",)
+            s = self.shard[k]
+            if s in self.cached:
+                if (k >= began and self.verify_reuse and self.ep[k] == self.epoch
+                        and self.verified.get(s, -1) < self.ep[k]):
+                    return ("reverify", k)
+                self.advance(k)
+                continue
+            if k < began:
+                return ("skip", k)
+            size = self.size_of(s)
+            nx = self.nxt[k]
+            newcomer_next = self.start[nx] if nx >= 0 else INF
+            if self.used + size <= self.budget:
+                return ("stage", k, [])
+            if size > self.budget or self._max_nu() <= newcomer_next:
+                return ("bypass", k)
+            victims = belady_plan(self.cached, self.budget, self.nu, size, newcomer_next)
+            if victims is None:
+                return ("bypass", k)
+            if any(self.pend[j] >= floor for j in victims):
+                return ("wait",)
+            return ("stage", k, victims)
+
+    def _trim(self, floor: int) -> list[int]:
+        order = sorted(self.cached, key=lambda j: (-self.nu[j], -self.cached[j], j))
+        victims, over = [], self.used - self.budget
+        for j in order:
+            if over <= 0:
+                break
+            if self.pend[j] < floor:
+                victims.append(j)
+                over -= self.cached[j]
+        return victims
+
+
+def _schedule_of(schedule: Callable[[int], Any] | Mapping[int, Any]) -> Callable[[int], Any]:
+    return schedule.__getitem__ if isinstance(schedule, Mapping) else schedule
+
+
+def simulate(schedule: Callable[[int], Any] | Mapping[int, Any], sizes: Sequence[int],
+             budget: int, *, epochs: Sequence[int], lookahead: int = 1,
+             steps: Callable[[int], Iterable[int]] | None = None,
+             verify_reuse: bool = True) -> list[tuple[str, int, int]]:
+    """What the stager does when readers advance in lockstep with it: it starts before any
+    reader reports, and has finished every action it can take before a reader reports the next
+    step.  Returns ``(event, shard, epoch)`` in order, event one of stage, evict, skip, bypass,
+    reverify (as the stager's journal records them; copies and verifications succeed).
+
+    Args:
+        schedule: epoch -> NodeSchedule (or any object with ``shards``, ``first``, ``last``).
+        sizes: bytes per shard (shard + index file).
+        steps: epoch -> the positions readers report (default: every ``first`` and ``last``).
+    """
+    sched = _schedule_of(schedule)
+    epochs = sorted({int(e) for e in epochs})
+    p = _Planner(lambda i: int(sizes[i]), int(budget), verify_reuse)
+    events: list[tuple[str, int, int]] = []
+
+    def replan(e: int) -> None:
+        p.plan(e, [(x, sched(x)) for x in [y for y in epochs if y >= e][: lookahead + 1]])
+
+    def drive(t: int | None) -> None:
+        while True:
+            act = p.next_action(t, t)
+            if act[0] in ("wait", "end"):
+                return
+            if act[0] == "trim":
+                for j in act[1]:
+                    p.evict(j)
+                    events.append(("evict", j, int(p.epoch or 0)))
+                continue
+            k = act[1]
+            s, e = p.shard[k], p.ep[k]
+            if act[0] == "stage":
+                for j in act[2]:
+                    p.evict(j)
+                    events.append(("evict", j, e))
+                p.admit(k, int(sizes[s]))
+            elif act[0] == "reverify":
+                p.verified[s] = e
+                p.advance(k)
+            else:
+                p.advance(k)
+            events.append((act[0], s, e))
+
+    replan(epochs[0])
+    drive(None)
+    for e in epochs:
+        if e != p.epoch:
+            replan(e)
+        sch = sched(e)
+        positions = (sorted(set(np.asarray(sch.first).tolist()) | set(np.asarray(sch.last).tolist()))
+                     if steps is None else steps(e))
+        for pos in positions:
+            drive(time_key(e, pos))
+    return events
+
+
+# --- the stager ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Epochs:
+    """The epochs a run stages: ``listed`` explicitly, or ``first..last`` (``None``: open)."""
+
+    listed: tuple[int, ...] | None
+    first: int
+    last: int | None
+
+    def horizon(self, e: int, lookahead: int) -> list[int]:
+        if self.listed is not None:
+            return [x for x in self.listed if x >= e][: lookahead + 1]
+        hi = e + lookahead if self.last is None else min(e + lookahead, self.last)
+        return list(range(e, hi + 1))
+
+    def plan_epoch(self, e: int) -> int | None:
+        """The epoch to plan when readers are in ``e``; ``None``: past every epoch of the run."""
+        if self.listed is not None:
+            return next((x for x in self.listed if x >= e), None)
+        if self.last is not None and e > self.last:
+            return None
+        return max(e, self.first)
+
+
+class _TokenBucket:
+    """Reads of ``rate`` bytes/s on average, bursts of at most 0.1 s worth (or one block)."""
+
+    def __init__(self, rate: int, stopped: Callable[[], bool]) -> None:
+        self.rate, self.stopped = float(rate), stopped
+        self.capacity = max(self.rate * 0.1, 1.0)
+        self.tokens, self.t = self.capacity, time.monotonic()
+
+    def take(self, n: int) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.t) * self.rate) - n
+        self.t = now
+        while self.tokens < 0 and not self.stopped():
+            time.sleep(min(-self.tokens / self.rate, 0.1))
+            now = time.monotonic()
+            self.tokens += (now - self.t) * self.rate
+            self.t = now
+
+
+class _Runner:
+    """The staging loop with real I/O, in whichever process holds the lock."""
+
+    def __init__(self, cache: NodeCache, schedule: Callable[[int], Any], options: StageOptions,
+                 verified: dict[int, int], stopped: Callable[[], bool]) -> None:
+        self.cache, self.schedule, self.opt, self.stopped = cache, schedule, options, stopped
+        self.mm = cache._mm
+        self.verified = verified
+        self.reporters = _Reporters(cache.progress_dir)
+        self.bucket = (_TokenBucket(int(options.bandwidth), stopped)  # type: ignore[arg-type]
+                       if options.bandwidth else None)
+        self.planner = _Planner(self._size_of, 0, options.verify_reuse)
+        self._index_sizes: dict[int, int] = {}
+        self._schedules: dict[int, Any] = {}
+        self._journal: Any = None
+        self._idle = -1
+        self._warned = False
+        self._buf = bytearray(_BLOCK)
+        self._counted: set[tuple[str, int, int]] = set()
+
+    # --- bookkeeping ---------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        _fetch_add_u64(self.mm, _SLOT[name], n)
+
+    def _count_use(self, name: str, shard: int, epoch: int) -> None:
+        """Count a use once, although re-planning may decide it again."""
+        if (name, shard, epoch) not in self._counted:
+            self._counted.add((name, shard, epoch))
+            self._count(name)
+
+    def _gauges(self) -> None:
+        p = self.planner
+        for name, v in (("cached_bytes", p.used), ("cached_shards", len(p.cached)),
+                        ("budget", p.budget)):
+            _store_u64(self.mm, _SLOT[name], max(0, int(v)))
+
+    def _event(self, event: str, shard: int, epoch: int, **extra: Any) -> None:
+        if self._journal is not None:
+            rec = {"t": round(time.time(), 6), "event": event, "shard": shard, "epoch": epoch}
+            try:
+                self._journal.write(json.dumps({**rec, **extra}) + "\n")
+                self._journal.flush()
+            except OSError as exc:  # a full cache filesystem: diagnostics must not stop staging
+                log.warning("node cache: journal disabled (%s)", exc)
+                self._journal = None
+
+    def _set_state(self, i: int, state: ShardState) -> None:
+        off = _OFF_STATE + 4 * i
+        _store_u32(self.mm, off, int(state))
+        _futex_wake(self.mm, off, _WAKE_ALL)
+
+    def _set_idle(self, word: int) -> None:
+        if word != self._idle:
+            self._idle = word
+            _store_u64(self.mm, _OFF_IDLE, word)
+
+    def _size_of(self, i: int) -> int:
+        entry = self.cache.manifest.shards[i]
+        if entry.index is None:
+            return entry.bytes
+        if i not in self._index_sizes:
+            try:
+                self._index_sizes[i] = os.stat(resolve_in(self.cache.root, entry.index)).st_size
+            except OSError:
+                self._index_sizes[i] = 0
+        return entry.bytes + self._index_sizes[i]
+
+    def _schedule(self, e: int) -> Any:
+        if e not in self._schedules:
+            self._schedules = {x: s for x, s in self._schedules.items() if x >= e - 1}
+            self._schedules[e] = self.schedule(e)
+        return self._schedules[e]
+
+    def _free(self) -> int:
+        st = os.statvfs(self.cache.data_dir)
+        return st.f_bavail * st.f_frsize
+
+    # --- run -----------------------------------------------------------------------------
+    def run(self, epochs: _Epochs, lookahead: int, wait: bool) -> None:
+        self._begin()
+        try:
+            self._loop(epochs, lookahead, wait)
+        finally:
+            if _load_u64(self.mm, _OFF_PID) == os.getpid():
+                _store_u64(self.mm, _OFF_IDLE, 0)
+                _store_u64(self.mm, _OFF_PID, 0)
+            if self._journal is not None:
+                self._journal.close()
+            self.reporters.close()
+
+    def _begin(self) -> None:
+        cache = self.cache
+        for d, _, files in os.walk(cache.data_dir):  # temps of a stager that was killed
+            for name in files:
+                if TMP_MARK in name:
+                    _unlink(os.path.join(d, name))
+        p = self.planner
+        for i, entry in enumerate(cache.manifest.shards):
+            size = self._local_size(i, entry.bytes)
+            if size is not None:
+                p.cached[i] = size
+                p.used += size
+            want = ShardState.LOCAL if size is not None else ShardState.REMOTE
+            if _load_u32(self.mm, _OFF_STATE + 4 * i) != want:
+                self._set_state(i, want)
+        for i in [i for i in self.verified if i not in p.cached]:
+            del self.verified[i]
+        p.verified = self.verified
+        free = self._free()
+        p.budget = (max(0, p.used + free - int(self.opt.reserve))  # type: ignore[arg-type]
+                    if self.opt.budget is None else int(self.opt.budget))
+        _store_u64(self.mm, _OFF_PID, os.getpid())
+        _fetch_add_u64(self.mm, _OFF_GEN, 1)
+        self._gauges()
+        if self.opt.journal:
+            path = os.path.join(cache.dir, ".journal")
+            self._journal = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by run()
+
+    def _local_size(self, i: int, expected: int) -> int | None:
+        """Bytes of a complete copy of shard ``i`` already in the cache, else ``None`` (and any
+        partial leftover is removed)."""
+        path, index = self.cache.path(i), self.cache.index_path(i)
+        try:
+            size = os.stat(path).st_size
+            isize = 0 if index is None else os.stat(index).st_size
+        except FileNotFoundError:
+            size = -1
+        if size == expected:
+            return size + isize
+        _unlink(path)
+        _unlink(index)
+        return None
+
+    def _loop(self, epochs: _Epochs, lookahead: int, wait: bool) -> None:
+        p = self.planner
+        reached_last = False
+        while not self.stopped():
+            span = self.reporters.poll()
+            lo, hi = span if span is not None else (None, None)
+            pe = p.epoch if p.epoch is not None else epochs.first
+            if lo is not None:
+                fe = lo >> _POS_BITS
+                reached_last = reached_last or (epochs.last is not None and fe >= epochs.last)
+                target = epochs.plan_epoch(fe)
+                if target is None and wait:
+                    return  # every reader is past the last epoch of this run
+                pe = pe if target is None else target
+            if pe != p.epoch:
+                p.plan(pe, [(e, self._schedule(e)) for e in epochs.horizon(pe, lookahead)])
+                self._counted = {c for c in self._counted if c[2] >= pe}
+            self._sync_discards(hi)
+            act = p.next_action(lo, hi)
+            if act[0] in ("wait", "end"):
+                if not wait:
+                    return
+                if (act[0] == "end" and span is None and reached_last
+                        and epochs.last in p.epochs):
+                    return  # the readers have gone after the last epoch
+                self._set_idle(1 if lo is None else lo + 2)
+                time.sleep(self.opt.poll_interval)
+                continue
+            self._set_idle(0)
+            self._do(act, hi)
+
+    def _sync_discards(self, hi: int | None) -> None:
+        """Copies a reader discarded (state REMOTE while we hold them)."""
+        p = self.planner
+        if not p.cached:
+            return
+        states = np.frombuffer(self.mm, dtype="<u4", count=self.cache.n, offset=_OFF_STATE)
+        held = np.fromiter(p.cached, dtype=np.int64, count=len(p.cached))
+        gone = held[states[held] != ShardState.LOCAL].tolist()
+        del states
+        for j in gone:
+            _unlink(self.cache.path(j))
+            _unlink(self.cache.index_path(j))
+            p.evict(j)
+            p.requeue(j, hi)
+            self._event("discard", j, int(p.epoch or 0))
+        if gone:
+            self._gauges()
+
+    def _drop(self, j: int, event: str, epoch: int) -> None:
+        self._set_state(j, ShardState.REMOTE)
+        for path in (self.cache.path(j), self.cache.index_path(j)):  # shard first: lookup's key
+            try:
+                _unlink(path)
+            except OSError as exc:
+                log.warning("node cache: cannot remove %s: %s", path, exc)
+        self.planner.evict(j)
+        self._gauges()
+        self._event(event, j, epoch)
+
+    def _do(self, act: tuple[Any, ...], hi: int | None) -> None:
+        p = self.planner
+        if act[0] == "trim":
+            for j in act[1]:
+                self._count("evictions")
+                self._drop(j, "evict", int(p.epoch or 0))
+            return
+        k = act[1]
+        s, e = p.shard[k], p.ep[k]
+        if act[0] == "skip":
+            self._count_use("skipped_in_use", s, e)
+            self._event("skip", s, e)
+            p.advance(k)
+        elif act[0] == "bypass":
+            self._count_use("bypassed", s, e)
+            self._event("bypass", s, e)
+            p.advance(k)
+        elif act[0] == "reverify":
+            if self._verify_copy(s):
+                self._count("reverified")
+                self._event("reverify", s, e)
+                p.verified[s] = e
+                p.advance(k)
+            else:
+                self._count("reverify_failures")
+                log.warning("node cache: the copy of shard %s no longer matches its digest; "
+                            "copying it again", self.cache.manifest.shards[s].path)
+                self._drop(s, "corrupt_copy", e)
+        else:
+            self._stage(k, act[2])
+
+    def _stage(self, k: int, victims: list[int]) -> None:
+        p = self.planner
+        s, e = p.shard[k], p.ep[k]
+        size = self._size_of(s)
+        reserve = int(self.opt.reserve)  # type: ignore[arg-type]
+        if reserve > 0:
+            free = self._free()
+            if free + sum(p.cached[j] for j in victims) - reserve < size:
+                new = max(0, min(p.budget, p.used + free - reserve))
+                if new >= p.budget:  # cannot shrink further: read this one directly
+                    self._count_use("bypassed", s, e)
+                    self._event("bypass", s, e)
+                    p.advance(k)
+                else:
+                    self._shrink(new, f"free space ({free} bytes) would fall below the reserve "
+                                      f"({reserve} bytes)")
+                return
+        for j in victims:
+            self._count("evictions")
+            self._drop(j, "evict", e)
+        self._set_state(s, ShardState.STAGING)
+        _fence()  # pairs with lookup()'s fence: we see the report, or the reader sees STAGING
+        span = self.reporters.poll()
+        if span is not None and p.start[k] <= span[1]:
+            self._set_state(s, ShardState.REMOTE)
+            self._count_use("skipped_in_use", s, e)
+            self._event("skip", s, e)
+            p.advance(k)
+            return
+        result = self._copy(s)
+        if result == "ok":
+            self._count("shards_staged")  # before LOCAL: whoever sees the copy sees the count
+            p.admit(k, size)
+            self._gauges()
+            self._event("stage", s, e)
+            self._set_state(s, ShardState.LOCAL)
+            return
+        self._set_state(s, ShardState.REMOTE)
+        if result in ("full", "write_error") and p.used < p.budget:
+            if result == "full":
+                self._count("enospc")
+            self._shrink(p.used, "the cache filesystem is full (ENOSPC/EDQUOT)"
+                         if result == "full" else "writing to the cache failed")
+        elif result != "stopped":
+            self._event(result, s, e)
+            p.advance(k)
+
+    def _shrink(self, new: int, why: str) -> None:
+        p = self.planner
+        old, p.budget = p.budget, new
+        self._count("budget_shrinks")
+        self._gauges()
+        self._event("shrink", -1, int(p.epoch or 0), budget=new)
+        if not self._warned:
+            self._warned = True
+            log.warning("node cache %s: %s; staging budget cut from %d to %d bytes; readers "
+                        "read the other shards from the shared filesystem (free space there, or "
+                        "set a smaller budget)", self.cache.dir, why, old, new)
+
+    # --- copies --------------------------------------------------------------------------
+    def _copy(self, i: int) -> str:
+        """Copy shard ``i`` (index first) and publish it: ok | verify_failure | read_error |
+        full | write_error | stopped."""
+        cache = self.cache
+        entry = cache.manifest.shards[i]
+        files: list[tuple[str, str, str | None, int | None]] = []
+        if entry.index is not None:
+            files.append((resolve_in(cache.root, entry.index), resolve_in(cache.data_dir,
+                          entry.index), entry.index_digest or None, self._index_sizes.get(i)))
+        files.append((resolve_in(cache.root, entry.path), cache.path(i), entry.digest,
+                      entry.bytes))
+        temps: list[tuple[str, str]] = []
+        try:
+            for _, dst, _, _ in files:
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+            for src, dst, digest, size in files:
+                tmp = tmp_name(dst)
+                temps.append((tmp, dst))
+                result = self._copy_file(src, tmp, digest, size)
+                if result == "verify_failure":
+                    self._count("verify_failures")
+                    log.warning("node cache: %s does not match its manifest digest; not staged "
+                                "(the original is corrupt: run `shardio verify`)", src)
+                if result != "ok":
+                    return result
+            for tmp, dst in temps:  # the shard last: its name is what makes the copy visible
+                os.replace(tmp, dst)
+            for d in {os.path.dirname(dst) for _, dst in temps}:
+                fsync_dir(d)
+            temps = []
+            return "ok"
+        except OSError as exc:
+            if exc.errno in _FULL:
+                return "full"
+            log.warning("node cache: writing the copy of %s failed (%s)", entry.path, exc)
+            return "write_error"
+        finally:
+            for tmp, _ in temps:
+                _unlink(tmp)
+
+    def _copy_file(self, src: str, tmp: str, digest: str | None, size: int | None) -> str:
+        try:
+            fd_in = os.open(src, os.O_RDONLY)
+        except OSError as exc:
+            self._count("read_errors")
+            log.warning("node cache: cannot read %s (%s); not staged", src, exc)
+            return "read_error"
+        try:
+            _advise(fd_in, os.POSIX_FADV_SEQUENTIAL)
+            fd_out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                if size:
+                    try:  # ENOSPC before reading a byte of the original
+                        os.posix_fallocate(fd_out, 0, size)
+                    except OSError as exc:
+                        if exc.errno in _FULL:
+                            raise
+                h = new_digest(self.cache.manifest.digest)
+                view, total = memoryview(self._buf), 0
+                while True:
+                    if self.stopped():
+                        return "stopped"
+                    try:
+                        n = os.readv(fd_in, [self._buf])
+                    except OSError as exc:
+                        self._count("read_errors")
+                        log.warning("node cache: reading %s failed (%s); not staged", src, exc)
+                        return "read_error"
+                    if not n:
+                        break
+                    self._count("bytes_staged", n)
+                    if _inject.ACTIVE:
+                        _inject.delay(src, n)
+                    if self.bucket is not None:
+                        self.bucket.take(n)
+                    h.update(view[:n])
+                    written = 0
+                    while written < n:
+                        written += os.write(fd_out, view[written:n])
+                    total += n
+                os.fsync(fd_out)
+            finally:
+                os.close(fd_out)
+            _advise(fd_in, os.POSIX_FADV_DONTNEED)  # the node reads the copy from now on
+        finally:
+            os.close(fd_in)
+        if (size is not None and total != size) or (digest and h.hexdigest() != digest):
+            return "verify_failure"
+        return "ok"
+
+    def _verify_copy(self, i: int) -> bool:
+        entry = self.cache.manifest.shards[i]
+        checks = [(self.cache.path(i), entry.digest, entry.bytes)]
+        index = self.cache.index_path(i)
+        if index is not None and entry.index_digest:
+            checks.append((index, entry.index_digest, None))
+        for path, digest, size in checks:
+            try:
+                found, n = file_digest(path, self.cache.manifest.digest)
+            except OSError:
+                return False
+            if found != digest or (size is not None and n != size):
+                return False
+        return True
+
+
+def _advise(fd: int, advice: int) -> None:
+    try:
+        os.posix_fadvise(fd, 0, 0, advice)
+    except OSError:  # advice only
+        pass
+
+
+def _set_pdeathsig(sig: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - non-Linux
+        pass
+
+
+_INHERITED: list[Any] = []
+
+
+def _release_inherited_fds(keep: set[int]) -> None:
+    """Point every inherited descriptor but ``keep`` at /dev/null.
+
+    Closing them would free their numbers for our own files while parent objects (log handlers,
+    mmaps, pipes' Connection objects) still think they own them and could write into a copy;
+    dup2 over them releases the pipes, sockets and files all the same."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        fds = [int(x) for x in os.listdir("/proc/self/fd")]
+    except OSError:  # pragma: no cover - no procfs
+        fds = list(range(1024))
+    for fd in fds:
+        if fd != devnull and fd not in keep:
+            try:
+                os.dup2(devnull, fd, inheritable=False)
+            except OSError:
+                pass
+    os.close(devnull)
+
+
+class Stager:
+    """The node's stager: elected by a file lock, run in a forked process or synchronously.
+
+    Args:
+        cache: the node cache.
+        schedule: epoch -> this node's schedule for that epoch (:func:`shardio.order.node_schedule`
+            or any object with ``shards``, ``first``, ``last`` arrays sorted by ``first``).
+        options: staging options (``cache_dir`` is the cache's; the rest applies here).
+    """
+
+    def __init__(self, cache: NodeCache, schedule: Callable[[int], Any] | Mapping[int, Any],
+                 options: StageOptions | None = None) -> None:
+        self.cache = cache
+        self.schedule = _schedule_of(schedule)
+        self.options = options or StageOptions()
+        self.lock_path = os.path.join(cache.dir, ".stager.lock")
+        self._pid: int | None = None
+        self._owner = 0
+        self._status: int | None = None
+        self._verified: dict[int, int] = {}
+
+    @property
+    def pid(self) -> int | None:
+        """The stager process this object started (in this process), if any."""
+        return self._pid if self._owner == os.getpid() else None
+
+    def _try_lock(self) -> int | None:
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise _staging_error(exc, self.lock_path, "open") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def holder(self) -> int:
+        """The pid written by the process holding (or that last held) the lock; 0 if none."""
+        try:
+            with open(self.lock_path, "rb") as f:
+                return int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def start(self, epoch: int = 0, *, last_epoch: int | None = None) -> bool:
+        """Become the node's stager if nobody is: fork a stager process and return ``True``;
+        ``False`` when another process holds the lock.  Cheap to call from every rank and
+        worker (one ``open`` + ``flock`` for a loser) and again at every epoch: if the stager
+        died, the next caller takes over.
+
+        The stager plans from ``epoch`` (or the readers' frontier), follows the readers through
+        the epochs, and exits after ``last_epoch`` once the readers have passed it or gone
+        (``None``: runs until :meth:`stop`, or until this process dies: ``PR_SET_PDEATHSIG``).
+        Call it from a process that lives as long as the training, in its main thread.
+        """
+        if self.pid is not None and self.join(0) is None:
+            return True
+        self._pid = None
+        fd = self._try_lock()
+        if fd is None:
+            return False
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(fd)
+            raise
+        if pid == 0:  # pragma: no cover - runs in the child, which never returns
+            self._child(fd, parent, _Epochs(None, int(epoch), last_epoch))
+        os.close(fd)  # the child's descriptor keeps the lock
+        self._pid, self._owner, self._status = pid, parent, None
+        return True
+
+    def _child(self, fd: int, parent: int, epochs: _Epochs) -> None:  # pragma: no cover
+        code = 1
+        try:
+            _set_pdeathsig(signal.SIGTERM)
+            if os.getppid() != parent:
+                os._exit(0)
+            gc.freeze()  # objects of the parent are never collected (and never close anything)
+            stop = [False]
+            signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                signal.set_wakeup_fd(-1)
+            except ValueError:
+                pass
+            _INHERITED.extend((sys.stdin, sys.stdout, sys.stderr))
+            _release_inherited_fds({1, 2, fd})
+            if faulthandler.is_enabled():
+                faulthandler.enable(file=2)
+            self._write_pid(fd)
+            cache = NodeCache(self.cache.cache_dir, self.cache.root, self.cache.manifest)
+            _Runner(cache, self.schedule, self.options, self._verified,
+                    lambda: stop[0]).run(epochs, self.options.lookahead, wait=True)
+            code = 0
+        except BaseException:  # noqa: BLE001 - the child reports and exits, never returns
+            try:
+                os.write(2, traceback.format_exc().encode(errors="replace"))
+            except OSError:
+                pass
+        finally:
+            os._exit(code)
+
+    @staticmethod
+    def _write_pid(fd: int) -> None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def join(self, timeout: float | None = None) -> int | None:
+        """Wait for the stager process this object started; its exit status (negative: killed
+        by that signal) or ``None`` while it still runs after ``timeout`` seconds."""
+        pid = self.pid
+        if pid is None:
+            return self._status
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                got, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                got, status = pid, 0
+            if got == pid:
+                self._status = os.waitstatus_to_exitcode(status)
+                self._pid = None
+                return self._status
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the stager process this object started: SIGTERM (it finishes or abandons the
+        current block and removes its temp file), then SIGKILL after ``timeout`` seconds."""
+        pid = self.pid
+        if pid is None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+            if self.join(wait) is not None:
+                return
+
+    def stage(self, epochs: Iterable[int], *, wait_for_readers: bool = False) -> dict[str, int]:
+        """Stage ``epochs`` in this process (job prologs, ``shardio stage``, tests).
+
+        Without ``wait_for_readers`` it copies what fits now, in order of use over all the
+        given epochs, and returns; with it, it follows the readers (``lookahead`` epochs ahead)
+        until they have passed the last of ``epochs`` or gone after reaching it.
+
+        Returns:
+            The node counters afterwards.
+
+        Raises:
+            StagingError: another process is staging this dataset on this node.
+        """
+        listed = tuple(sorted({int(e) for e in epochs}))
+        if not listed:
+            raise UsageError("stage() needs at least one epoch")
+        fd = self._try_lock()
+        if fd is None:
+            raise StagingError(f"another stager (pid {self.holder()}) is staging {self.cache.dir}"
+                               " on this node; wait for it, or stop it")
+        try:
+            self._write_pid(fd)
+            lookahead = self.options.lookahead if wait_for_readers else len(listed)
+            _Runner(self.cache, self.schedule, self.options, self._verified,
+                    lambda: False).run(_Epochs(listed, listed[0], listed[-1]), lookahead,
+                                       wait_for_readers)
+        finally:
+            os.close(fd)
+        return self.cache.counters()
