@@ -8,9 +8,10 @@ resumed job (any world size, worker count or batch size) delivers exactly the re
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
@@ -20,13 +21,15 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .config import ReadOptions
 from .decode import decode_sample
 from .errors import UsageError
-from .order import EpochOrder, RankPlan
+from .order import EpochOrder, NodeSchedule, RankPlan, node_schedule
 from .reader import DatasetReader
 from .topology import Topology
 
 __all__ = ["ShardDataset"]
 
 STATE_VERSION = 1
+
+log = logging.getLogger("shardio.dataset")
 
 
 def _detect_topology() -> Topology:
@@ -75,6 +78,9 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             path, verify=options.verify, max_open_shards=options.max_open_shards,
             replicas=options.replicas, quarantine=options.quarantine,
             on_corrupt=options.on_corrupt, read_block=options.read_block)
+        self.cache = self._node_cache()
+        self.reader.ladder.cache = self.cache
+        self._stager: Any = None
         # Epoch and resume cursor live in a tiny shared array so that DataLoader workers kept
         # alive across epochs (persistent_workers=True) see set_epoch()/load_state_dict().
         self._shared = multiprocessing.RawArray("q", 2)
@@ -131,6 +137,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             self._delivered = 0
             self._finished = False
         self.epoch = int(epoch)
+        self._start_staging(self.epoch)
 
     def _order(self) -> EpochOrder:
         counts = np.diff(self.reader.offsets)
@@ -156,12 +163,13 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             self._delivered = 0
             self._finished = False
         self._start_staging(self.epoch)
+        self.reader.prefer_cache()
         steps = plan.worker_steps(worker, workers)
         ahead: np.ndarray | None = None
         for k, t in enumerate(steps):
             ids = ahead if ahead is not None else self._step_ids(order, plan, cursor, t)
             ahead = None
-            self._report(cursor + t * plan.world_size * plan.batch_size)
+            self._report(self.epoch, cursor + t * plan.world_size * plan.batch_size)
             if self.options.prefetch_shards and k + 1 < len(steps):
                 ahead = self._step_ids(order, plan, cursor, steps[k + 1])
                 self._advise(ahead)
@@ -187,11 +195,64 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         shards = np.unique(np.searchsorted(self.reader.offsets, ids, side="right") - 1)
         self.reader.willneed(shards.tolist(), self.options.prefetch_shards)
 
-    def _start_staging(self, epoch: int) -> None:
-        """Staging hook (node-local cache); no-op without ``cache_dir``."""
+    # --- node-local staging -------------------------------------------------------------------
+    def _stage_options(self) -> Any:
+        from .stage import StageOptions
 
-    def _report(self, position: int) -> None:
-        """Progress hook for the stager (epoch position of the step being read)."""
+        o = self.options
+        return StageOptions(cache_dir=o.cache_dir, budget=o.cache_budget, reserve=o.cache_reserve,
+                            bandwidth=o.stage_bandwidth, lookahead=o.stage_lookahead)
+
+    def _node_cache(self) -> Any:
+        if self.options.cache_dir is None:
+            return None
+        from .stage import NodeCache
+
+        cache = NodeCache.from_options(self.path, self.reader.manifest, self._stage_options())
+        if cache is None:
+            log.warning("cache_dir='auto' found no node-local directory; reading without staging")
+        return cache
+
+    def schedule(self, epoch: int, batch_size: int | None = None) -> NodeSchedule:
+        """When this rank's node reads each shard in ``epoch`` (what the stager works from)."""
+        topo, o = self.topology, self.options
+        order = EpochOrder(np.diff(self.reader.offsets), seed=o.seed, epoch=epoch,
+                           shuffle=o.shuffle, shuffle_block=o.shuffle_block)
+        return node_schedule(order, world_size=topo.world_size,
+                             local_world_size=topo.local_world_size, node=topo.node,
+                             batch_size=batch_size or o.batch_size, remainder=o.remainder)
+
+    def _start_staging(self, epoch: int, batch_size: int | None = None) -> None:
+        """Make sure this node's stager runs (one per node: whoever takes the lock forks it; a
+        dead stager is replaced by the next caller).  No-op without ``cache_dir``."""
+        if self.cache is None:
+            return
+        from .stage import Stager
+
+        if self._stager is None:
+            bs = batch_size or self.options.batch_size
+            self._stager = Stager(self.cache, lambda e: self.schedule(e, bs),
+                                  self._stage_options())
+        self._stager.start(epoch)
+
+    def _report(self, epoch: int, position: int) -> None:
+        """Tell the stager where this reader is (epoch position of the step being read)."""
+        if self.cache is not None:
+            self.cache.report(epoch, position)
+
+    def stage(self, epochs: Iterable[int]) -> dict[str, int]:
+        """Stage the shards of ``epochs`` into the node cache now, in this process (job prologs:
+        ``shardio stage``); returns the node counters.
+
+        Raises:
+            UsageError: no ``cache_dir`` was given.
+            StagingError: another stager holds this node's lock.
+        """
+        if self.cache is None:
+            raise UsageError("staging needs a node-local cache: pass cache_dir=DIR (or 'auto')")
+        from .stage import Stager
+
+        return Stager(self.cache, self.schedule, self._stage_options()).stage(epochs)
 
     def __getitem__(self, i: int) -> Any:
         """Sample ``i`` in manifest order (decoded and transformed like iteration): random
@@ -200,8 +261,11 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
 
     def io_stats(self) -> dict[str, Any]:
         """Fault/repair events and reads per source (opens, stats, bytes) of this process and its
-        forked workers (``repair``)."""
-        return {"repair": self.reader.counters.snapshot()}
+        forked workers (``repair``), and the node cache's counters (``stage``) when staging."""
+        out: dict[str, Any] = {"repair": self.reader.counters.snapshot()}
+        if self.cache is not None:
+            out["stage"] = self.cache.counters()
+        return out
 
     # --- checkpointing -----------------------------------------------------------------------
     def state_dict(self, batches: int | None = None) -> dict[str, Any]:
@@ -272,6 +336,9 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         state = dict(self.__dict__)
         # Resolve rank/world in the main process: a spawned worker has no process group.
         state["_topology"] = self.topology
+        # The node cache (shared mappings, progress file) and the stager belong to a process;
+        # an unpickled copy opens its own.
+        state["cache"], state["_stager"] = None, None
         if get_spawning_popen() is None:
             # Plain pickling (not handing the dataset to a new worker process): a shared array
             # cannot travel, so its values do.
@@ -283,6 +350,8 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         if isinstance(shared, tuple):
             state["_shared"] = multiprocessing.RawArray("q", shared)
         self.__dict__.update(state)
+        self.cache = self._node_cache()
+        self.reader.ladder.cache = self.cache
 
 
 def _ids_at(order: EpochOrder, positions: np.ndarray) -> np.ndarray:

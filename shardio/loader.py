@@ -60,8 +60,9 @@ class _Job:
         self.plan = RankPlan(ds.num_samples - self.cursor, spec["world_size"], spec["rank"],
                              spec["batch_size"], o.remainder)
         self.stride = spec.get("stride", 1)
+        self.epoch = spec["epoch"]
+        ds.reader.prefer_cache()
         self.ahead: tuple[int, np.ndarray] | None = None
-        ds._start_staging(spec["epoch"])
 
     def produce(self, step: int) -> tuple[Any, list[float]]:
         assert self.plan is not None and self.order is not None
@@ -72,7 +73,7 @@ class _Job:
         else:
             ids = ds._step_ids(self.order, plan, self.cursor, step)
         self.ahead = None
-        ds._report(self.cursor + step * plan.world_size * plan.batch_size)
+        ds._report(self.epoch, self.cursor + step * plan.world_size * plan.batch_size)
         nxt = step + self.stride
         if ds.options.prefetch_shards and nxt < plan.num_batches:
             self.ahead = (nxt, ds._step_ids(self.order, plan, self.cursor, nxt))
@@ -226,6 +227,7 @@ class ShardLoader:
         self._finished = False
         self._stats.begin_epoch()
         self._stats.restarts = pool.restarts
+        ds._start_staging(ds.epoch, self.batch_size)
         it = pool.run(spec, steps)
         while True:
             self._drain_releases()

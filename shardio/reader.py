@@ -175,6 +175,18 @@ class DatasetReader:
                            read_block=self.read_block, on_read=lambda n: counter.add(slot, n),
                            advice=os.POSIX_FADV_SEQUENTIAL if kind != "cache" else None)
 
+    def prefer_cache(self) -> int:
+        """Move shards read from elsewhere onto node-cache copies published since they were
+        opened (called at the start of an epoch); returns how many moved."""
+        cache = self.ladder.cache
+        if cache is None:
+            return 0
+        moved = [i for i, (copy, _r) in self._readers.items()
+                 if copy.kind != "cache" and cache.lookup(i, wait=0) is not None]
+        for i in moved:
+            self._drop(i)
+        return len(moved)
+
     def _drop(self, i: int) -> Copy | None:
         got = self._readers.pop(i, None)
         if got is None:

@@ -145,6 +145,11 @@ class CopyLadder:
         self._attempts: dict[int, list[tuple[str, str]]] = {}
         self._last: dict[int, BaseException] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["cache"] = None  # process-bound; the owner re-attaches its own
+        return state
+
     def entry(self, i: int) -> ShardEntry:
         return self.manifest.shards[i]
 

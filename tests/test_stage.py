@@ -446,7 +446,7 @@ def _rank_main(rank: int, cache_dir: str, root: str, barrier: Any, out: Any) -> 
             barrier.wait(20)
     cache.close()
     barrier.wait(20)
-    out.put((rank, won, local, direct, st.join(20) if won else None))
+    out.put((rank, won, local, direct, st.join(60) if won else None))
 
 
 def test_ranks_of_a_node_share_one_stager(dataset: Path, tmp_path: Path) -> None:
@@ -454,7 +454,7 @@ def test_ranks_of_a_node_share_one_stager(dataset: Path, tmp_path: Path) -> None
     barrier, out = CTX.Barrier(RANKS), CTX.Queue()
     procs = [fork(_rank_main, r, str(tmp_path), str(dataset), barrier, out)
              for r in range(RANKS)]
-    results = sorted(out.get(timeout=45) for _ in procs)
+    results = sorted(out.get(timeout=120) for _ in procs)
     assert [join(p) for p in procs] == [0] * RANKS
     winners = [r for r, won, *_ in results if won]
     assert len(winners) == 1  # exactly one stager on the node

@@ -1,0 +1,130 @@
+"""ShardDataset / ShardLoader with a node-local cache: staged copies are read instead of the
+originals, the order and samples do not change, and each epoch reads the shared store at most once."""
+
+from __future__ import annotations
+
+import faulthandler
+import time
+from pathlib import Path
+
+import pytest
+
+import shardio
+from shardio import Manifest, PackOptions, pack
+from shardio.formats import load_index
+from tools.faults import flip_bits
+
+
+@pytest.fixture(autouse=True)
+def _deadline():
+    faulthandler.dump_traceback_later(120, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+def shared(image_tree: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "shared" / "ds"
+    pack(image_tree, root, PackOptions(samples_per_shard=7, label_from_dir=True, fsync=False))
+    return root
+
+
+def dataset_bytes(root: Path) -> int:
+    m = Manifest.load(root)
+    return m.total_bytes + sum((root / e.index).stat().st_size for e in m.shards if e.index)
+
+
+def keys(ds) -> list[str]:
+    return [s["__key__"] for s in ds]
+
+
+def delta(before: dict, after: dict, name: str) -> int:
+    return after["repair"][name] - before["repair"][name]
+
+
+def test_prolog_staging_then_no_shared_reads(shared: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "nvme"
+    cache.mkdir()
+    reference = keys(shardio.ShardDataset(shared, seed=3))
+    ds = shardio.ShardDataset(shared, seed=3, cache_dir=str(cache), cache_reserve=0)
+    counters = ds.stage([0])
+    n = len(Manifest.load(shared).shards)
+    assert counters["shards_staged"] == n
+    assert counters["bytes_staged"] == dataset_bytes(shared)  # shards and their index files
+    before = ds.io_stats()
+    assert keys(ds) == reference
+    after = ds.io_stats()
+    assert delta(before, after, "bytes_original") == 0
+    assert delta(before, after, "bytes_cache") > 0
+    if ds._stager is not None:
+        ds._stager.stop()
+
+
+def test_live_stager_follows_the_epochs(shared: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "nvme"
+    cache.mkdir()
+    m = Manifest.load(shared)
+    ds = shardio.ShardDataset(shared, seed=1, batch_size=4, cache_dir=str(cache), cache_reserve=0)
+    plain = shardio.ShardDataset(shared, seed=1, batch_size=4)
+    try:
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            plain.set_epoch(epoch)
+            if epoch == 2:  # the whole dataset fits: by now everything is (being) staged
+                deadline = time.monotonic() + 60
+                while ds.cache.counters()["shards_staged"] < len(m.shards):
+                    assert time.monotonic() < deadline, ds.cache.counters()
+                    time.sleep(0.05)
+            before = ds.io_stats()
+            assert keys(ds) == keys(plain)
+            after = ds.io_stats()
+            if epoch == 2:
+                assert delta(before, after, "bytes_original") == 0
+        end = ds.io_stats()
+        assert end["stage"]["shards_staged"] == len(m.shards)  # each copied once
+        # Direct reads (epochs 0-1, of shards not staged yet) plus the one copy of each shard:
+        # never more than one pass over the dataset per epoch.
+        shared_bytes = end["repair"]["bytes_original"] + end["stage"]["bytes_staged"]
+        assert shared_bytes <= 3 * dataset_bytes(shared)
+    finally:
+        ds._stager.stop()
+
+
+def test_loader_reads_staged_copies(shared: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "nvme"
+    cache.mkdir()
+    ds = shardio.ShardDataset(shared, seed=2, cache_dir=str(cache), cache_reserve=0)
+    ds.stage([0])
+    def collate(b):
+        return [s["__key__"] for s in b]
+
+    with shardio.ShardLoader(shardio.ShardDataset(shared, seed=2), batch_size=8, num_workers=2,
+                             collate_fn=collate) as plain:
+        reference = [k for b in plain for k in b]
+    with shardio.ShardLoader(ds, batch_size=8, num_workers=2, collate_fn=collate) as ld:
+        got = [k for b in ld for k in b]
+        stats = ld.stats()
+    ds._stager.stop()
+    assert got == reference
+    assert stats["repair"]["bytes_original"] == 0 and stats["repair"]["bytes_cache"] > 0
+    assert stats["stage"]["shards_staged"] == len(Manifest.load(shared).shards)
+
+
+def test_corrupt_cached_copy_falls_back_and_is_discarded(shared: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "nvme"
+    cache.mkdir()
+    ds = shardio.ShardDataset(shared, shuffle=False, cache_dir=str(cache), cache_reserve=0,
+                              stage_lookahead=0)
+    ds.stage([0])
+    copy = ds.cache.path(1)
+    index = load_index("tar", copy)
+    jpg = [r for r in range(len(index.f_name)) if index.field_names[index.f_name[r]] == "jpg"][0]
+    flip_bits(copy, offset=int(index.f_offset[jpg]) + 100)  # inside a JPEG payload
+    reference = keys(shardio.ShardDataset(shared, shuffle=False))
+    assert keys(ds) == reference
+    c = ds.io_stats()["repair"]
+    assert c["checksum_mismatch"] == 1 and c["cache_discarded"] == 1
+    assert c["bytes_original"] > 0
+    assert ds.cache.lookup(1, wait=0) is None  # the bad copy is gone; the stager recopies it
+    if ds._stager is not None:
+        ds._stager.stop()
