@@ -74,6 +74,24 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--no-parity", action="store_true", help="do not rebuild from parity")
     rp.add_argument("--json", action="store_true")
 
+    sg = sub.add_parser("stage", help="copy the shards this node will read to node-local storage "
+                        "(job prologs: srun --ntasks-per-node=1 shardio stage ...)")
+    sg.add_argument("dataset")
+    sg.add_argument("--cache", required=True, metavar="DIR",
+                    help="node-local directory, or 'auto' ($SHARDIO_CACHE_DIR, $SLURM_TMPDIR, ...)")
+    sg.add_argument("--epochs", default="0", metavar="E[..F]", help="epochs to stage (default 0)")
+    sg.add_argument("--seed", type=int, default=0, help="the training job's shuffle seed")
+    sg.add_argument("--batch-size", type=int, default=1, help="the training job's batch size")
+    sg.add_argument("--no-shuffle", action="store_true")
+    sg.add_argument("--shuffle-block", type=int, default=1 << 18)
+    sg.add_argument("--world-size", type=int, default=None,
+                    help="ranks of the training job (default: from Slurm/torchrun variables)")
+    sg.add_argument("--ranks-per-node", type=int, default=None)
+    sg.add_argument("--node", type=int, default=None, help="this node's index in the job")
+    sg.add_argument("--budget", default=None, help="bytes the cache may use (default: free space)")
+    sg.add_argument("--reserve", default="1GiB", help="free space to leave (default 1GiB)")
+    sg.add_argument("--bandwidth", default=None, help="cap on reads from the shared filesystem")
+
     ins = sub.add_parser("inspect", help="summarise a dataset")
     ins.add_argument("dataset")
     ins.add_argument("--json", action="store_true")
@@ -184,6 +202,62 @@ def _cmd_repair(a: argparse.Namespace) -> int:
     return _repair(a.dataset, a.replica, not a.no_parity, a.json)
 
 
+def _epochs(text: str) -> range:
+    from .errors import UsageError
+
+    lo, _, hi = text.partition("..")
+    try:
+        first = int(lo)
+        last = int(hi) if hi else first
+    except ValueError as exc:
+        raise UsageError(f"--epochs {text!r}: write E or E..F (e.g. 0..2)") from exc
+    if first < 0 or last < first:
+        raise UsageError(f"--epochs {text!r}: need 0 <= E <= F")
+    return range(first, last + 1)
+
+
+def _cmd_stage(a: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .manifest import Manifest
+    from .order import EpochOrder, node_schedule
+    from .stage import NodeCache, Stager, StageOptions
+    from .topology import Topology
+
+    epochs = _epochs(a.epochs)
+    env = Topology.from_env()
+    world = a.world_size or env.world_size
+    local = a.ranks_per_node or env.local_world_size
+    node = a.node if a.node is not None else env.node
+    options = StageOptions(cache_dir=a.cache, budget=a.budget, reserve=a.reserve,
+                           bandwidth=a.bandwidth, lookahead=0)
+    manifest = Manifest.load(a.dataset)
+    cache = NodeCache.from_options(a.dataset, manifest, options)
+    if cache is None:
+        print("shardio stage: --cache auto found no node-local directory; set "
+              "$SHARDIO_CACHE_DIR or pass --cache DIR", file=sys.stderr)
+        return 2
+    counts = np.array([s.samples for s in manifest.shards], dtype=np.int64)
+
+    def schedule(epoch: int):  # type: ignore[no-untyped-def]
+        order = EpochOrder(counts, seed=a.seed, epoch=epoch, shuffle=not a.no_shuffle,
+                           shuffle_block=a.shuffle_block)
+        return node_schedule(order, world_size=world, local_world_size=local, node=node,
+                             batch_size=a.batch_size)
+
+    t0 = time.perf_counter()
+    before = cache.counters()
+    after = Stager(cache, schedule, options).stage(epochs)
+    dt = time.perf_counter() - t0
+    c = {k: v - before.get(k, 0) for k, v in after.items()}
+    present = sum(cache.lookup(i, wait=0) is not None
+                  for i in set().union(*(schedule(e).shards.tolist() for e in epochs)))
+    print(f"node {node}: copied {c['shards_staged']} shard(s), {_human(c['bytes_staged'])} in "
+          f"{dt:.1f}s; {present} shard(s) of epochs {epochs.start}..{epochs.stop - 1} now in "
+          f"{cache.data_dir}; {c.get('verify_failures', 0)} verify failure(s)")
+    return 1 if c.get("verify_failures") else 0
+
+
 def _cmd_inspect(a: argparse.Namespace) -> int:
     from .summary import describe, format_description
 
@@ -204,7 +278,7 @@ def _cmd_index(a: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"pack": _cmd_pack, "verify": _cmd_verify, "inspect": _cmd_inspect, "index": _cmd_index,
-             "repair": _cmd_repair}
+             "repair": _cmd_repair, "stage": _cmd_stage}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -128,3 +128,24 @@ def test_corrupt_cached_copy_falls_back_and_is_discarded(shared: Path, tmp_path:
     assert ds.cache.lookup(1, wait=0) is None  # the bad copy is gone; the stager recopies it
     if ds._stager is not None:
         ds._stager.stop()
+
+
+def test_stage_command_for_job_prologs(shared: Path, tmp_path: Path, cli) -> None:
+    cache = tmp_path / "nvme"
+    cache.mkdir()
+    rc, out, err = cli("stage", shared, "--cache", cache, "--epochs", "0..1", "--reserve", "0",
+                       "--seed", "5", "--batch-size", "4")
+    assert rc == 0, err
+    n = len(Manifest.load(shared).shards)
+    assert f"copied {n} shard(s)" in out
+    rc, out, err = cli("stage", shared, "--cache", cache, "--epochs", "1", "--reserve", "0")
+    assert rc == 0 and "copied 0 shard(s)" in out  # already there (and re-verified)
+    # the training job picks the staged copies up: nothing is read from the shared store
+    ds = shardio.ShardDataset(shared, seed=5, batch_size=4, cache_dir=str(cache),
+                              cache_reserve=0)
+    before = ds.io_stats()
+    assert len(keys(ds)) == Manifest.load(shared).num_samples
+    assert delta(before, ds.io_stats(), "bytes_original") == 0
+    ds._stager.stop()
+    rc, _out, err = cli("stage", shared, "--cache", cache, "--epochs", "2..1")
+    assert rc == 2 and "E <= F" in err
