@@ -92,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
     sg.add_argument("--reserve", default="1GiB", help="free space to leave (default 1GiB)")
     sg.add_argument("--bandwidth", default=None, help="cap on reads from the shared filesystem")
 
+    from . import storagebench
+
+    bench = sub.add_parser("bench", help="measure storage before choosing shard size, "
+                           "striping, workers and staging depth")
+    storagebench.add_arguments(bench.add_subparsers(dest="bench_command", required=True).add_parser(
+        "storage", help="bandwidth, IOPS, latency and metadata rates of a directory's filesystem"))
+
     ins = sub.add_parser("inspect", help="summarise a dataset")
     ins.add_argument("dataset")
     ins.add_argument("--json", action="store_true")
@@ -258,6 +265,12 @@ def _cmd_stage(a: argparse.Namespace) -> int:
     return 1 if c.get("verify_failures") else 0
 
 
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from .storagebench import run_cli
+
+    return run_cli(a)
+
+
 def _cmd_inspect(a: argparse.Namespace) -> int:
     from .summary import describe, format_description
 
@@ -278,7 +291,7 @@ def _cmd_index(a: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"pack": _cmd_pack, "verify": _cmd_verify, "inspect": _cmd_inspect, "index": _cmd_index,
-             "repair": _cmd_repair, "stage": _cmd_stage}
+             "repair": _cmd_repair, "stage": _cmd_stage, "bench": _cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
