@@ -96,8 +96,13 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure storage before choosing shard size, "
                            "striping, workers and staging depth")
-    storagebench.add_arguments(bench.add_subparsers(dest="bench_command", required=True).add_parser(
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    storagebench.add_arguments(bench_sub.add_parser(
         "storage", help="bandwidth, IOPS, latency and metadata rates of a directory's filesystem"))
+    from . import loaderbench
+
+    loaderbench.add_arguments(bench_sub.add_parser(
+        "loader", help="data wait vs a simulated step, per worker count; fewest workers needed"))
 
     ins = sub.add_parser("inspect", help="summarise a dataset")
     ins.add_argument("dataset")
@@ -266,6 +271,10 @@ def _cmd_stage(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
+    if a.bench_command == "loader":
+        from .loaderbench import run_cli as run_loader
+
+        return run_loader(a)
     from .storagebench import run_cli
 
     return run_cli(a)

@@ -200,8 +200,11 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         from .stage import StageOptions
 
         o = self.options
+        # A reused copy is checked by the per-sample checksums on every read (verify=True), so
+        # the stager re-hashes whole copies on reuse only when those checks are off.
         return StageOptions(cache_dir=o.cache_dir, budget=o.cache_budget, reserve=o.cache_reserve,
-                            bandwidth=o.stage_bandwidth, lookahead=o.stage_lookahead)
+                            bandwidth=o.stage_bandwidth, lookahead=o.stage_lookahead,
+                            verify_reuse=not o.verify)
 
     def _node_cache(self) -> Any:
         if self.options.cache_dir is None:
