@@ -246,7 +246,10 @@ class LoaderOptions:
         ring_bytes: shared memory per worker (``"128MiB"`` accepted); must hold a few batches.
         shm_dir: directory for the rings (default ``/dev/shm``); any file-backed directory works
             where ``/dev/shm`` is small.
-        cpus: CPUs to pin workers to, one each, round-robin (e.g. the cores of one NUMA node).
+        cpus: CPUs to pin workers to, one each, round-robin (e.g. the cores of one NUMA node);
+            ``"auto"``: :func:`shardio.topology.discover_cpus` (affinity mask from the cgroup
+            and Slurm binding, ``SLURM_CPUS_PER_TASK``, NUMA node first), leaving the first for
+            the training process when there are more CPUs than workers.
         poll_interval: seconds between liveness checks of a worker main is waiting on; bounds the
             time to notice a dead worker, and how long a worker whose ring stays full waits before
             it sends the batch main is waiting for through its overflow pipe instead.
@@ -260,7 +263,7 @@ class LoaderOptions:
 
     ring_bytes: int | str = 128 << 20
     shm_dir: str | None = None
-    cpus: tuple[int, ...] | None = None
+    cpus: tuple[int, ...] | str | None = None
     poll_interval: float = 0.2
     max_restarts: int = 3
     max_held_fraction: float = 0.5
@@ -270,7 +273,11 @@ class LoaderOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ring_bytes", parse_size(self.ring_bytes))
-        if self.cpus is not None:
+        if self.cpus == "auto":
+            pass
+        elif isinstance(self.cpus, str):
+            raise UsageError(f"cpus must be a list of CPU numbers or 'auto', got {self.cpus!r}")
+        elif self.cpus is not None:
             object.__setattr__(self, "cpus", tuple(int(c) for c in self.cpus))
             if not self.cpus:
                 raise UsageError("cpus must name at least one CPU")

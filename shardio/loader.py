@@ -11,7 +11,10 @@ or reach main through the worker's spill pipe when the kept batches pin the whol
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
 import time
 import warnings
 import weakref
@@ -23,12 +26,14 @@ import numpy as np
 import torch
 
 from ._tree import plan_collate, plan_tree, read_header, read_tree
+from ._fsutil import atomic_write_bytes
 from .config import LoaderOptions
 from .dataset import ShardDataset
 from .errors import UsageError, WorkerCrashedError
 from .order import EpochOrder, RankPlan
 from .pool import PoolOptions, WorkerPool
 from .stats import LoaderStats
+from .topology import discover_cpus
 
 __all__ = ["ShardLoader"]
 
@@ -148,6 +153,10 @@ class ShardLoader:
         self.options = options
         self._stats = LoaderStats(log_every=options.log_every, window=options.warn_window,
                                   warn_ratio=options.warn_wait_ratio)
+        self._iterating = False
+        self._preempt: tuple[str | None, Any, bool] = (None, None, True)
+        self._preempt_pending = False
+        self.preempted = False
         self._pool: WorkerPool | None = None
         self._released: deque[tuple[Any, Any]] = deque()
         self._delivered = 0
@@ -183,12 +192,61 @@ class ShardLoader:
             pool = WorkerPool(
                 _Job(self.dataset, self.collate_fn),
                 PoolOptions(num_workers=self.num_workers, ring_bytes=o.ring_bytes,
-                            shm_dir=o.shm_dir, cpus=o.cpus, poll_interval=o.poll_interval,
+                            shm_dir=o.shm_dir, cpus=self._cpus(), poll_interval=o.poll_interval,
                             max_restarts=o.max_restarts),
             )
             pool.start()  # closes itself if it fails: keep no half-started pool around
             self._pool = pool
         return self._pool
+
+    def _cpus(self) -> tuple[int, ...] | None:
+        cpus = self.options.cpus
+        if cpus != "auto":
+            return cpus  # type: ignore[return-value]
+        found = discover_cpus()
+        if len(found) > self.num_workers:
+            found = found[1:]  # the first (of the best NUMA node) stays with the training loop
+        return tuple(found)
+
+    # --- preemption --------------------------------------------------------------------------
+    def save_on_signal(self, path: str | os.PathLike[str] | None = None,
+                       callback: Callable[[dict[str, Any]], None] | None = None, *,
+                       signum: int = signal.SIGUSR1, stop: bool = True) -> None:
+        """Save the exact position when the batch system warns of the time limit.
+
+        With ``#SBATCH --signal=USR1@120`` Slurm sends SIGUSR1 two minutes before the limit.  At
+        the next batch boundary (at once when no iteration is running) :meth:`state_dict` is
+        written to ``path`` (JSON, atomically) and/or passed to ``callback``; with ``stop=True``
+        the running iteration then ends, so the loop can save the model and exit, and the next
+        job resumes with ``load_state_dict(json.load(open(path)))``, every sample exactly once.
+        Workers (and the stager) ignore the signal.  Call from the main thread.
+
+        Raises:
+            UsageError: neither ``path`` nor ``callback`` given.
+        """
+        if path is None and callback is None:
+            raise UsageError("save_on_signal needs path= (a JSON file) or callback=")
+        self._preempt = (None if path is None else os.fspath(path), callback, stop)
+        self._preempt_pending = False
+
+        def handler(signo: int, frame: Any) -> None:
+            if self._iterating:
+                self._preempt_pending = True
+            else:
+                self._save_preempted()
+
+        signal.signal(signum, handler)
+
+    def _save_preempted(self) -> None:
+        self._preempt_pending = False
+        path, callback, _stop = self._preempt
+        state = self.state_dict()
+        if path is not None:
+            atomic_write_bytes(path, json.dumps(state, sort_keys=True).encode())
+        if callback is not None:
+            callback(state)
+        self.preempted = True
+        log.warning("preemption signal: loader position saved (%s)", path or "callback")
 
     def _drain_releases(self) -> None:
         while self._released:
@@ -229,30 +287,49 @@ class ShardLoader:
         self._stats.restarts = pool.restarts
         ds._start_staging(ds.epoch, self.batch_size)
         it = pool.run(spec, steps)
-        while True:
-            self._drain_releases()
-            started = self._stats.begin_wait()
-            try:
-                _step, ring, msg = next(it)
-            except StopIteration:
-                break
-            except WorkerCrashedError:
-                # The pool lost a worker for good: a later iteration starts a fresh one.
+        self._iterating = True
+        try:
+            while True:
+                self._drain_releases()
+                if self._preempt_pending and self._preempt_stop():
+                    return
+                started = self._stats.begin_wait()
+                try:
+                    _step, ring, msg = next(it)
+                except StopIteration:
+                    break
+                except WorkerCrashedError:
+                    # The pool lost a worker for good: a later iteration starts a fresh one.
+                    self._stats.restarts = pool.restarts
+                    self.close()
+                    raise
+                if self._preempt_pending:  # arrived while waiting: this batch is not handed out
+                    WorkerPool._discard(ring, msg)
+                    if self._preempt_stop():
+                        return
+                    continue
+                stages = read_header(msg.view)[2]
+                batch = self._materialize(ring, msg)
+                del msg
+                if self.pin_memory:
+                    batch = _pin(batch)
+                self._delivered += 1
                 self._stats.restarts = pool.restarts
-                self.close()
-                raise
-            stages = read_header(msg.view)[2]
-            batch = self._materialize(ring, msg)
-            del msg
-            if self.pin_memory:
-                batch = _pin(batch)
-            self._delivered += 1
-            self._stats.restarts = pool.restarts
-            self._stats.end_wait(started, stages)
-            yield batch
+                self._stats.end_wait(started, stages)
+                yield batch
+        finally:
+            self._iterating = False
         self._stats.epoch_end()
         self._finished = True
         self.dataset._cursor = 0
+
+    def _preempt_stop(self) -> bool:
+        """Save the position; True when the iteration must end (``stop=True``)."""
+        self._save_preempted()
+        if self._preempt[2]:
+            self.close()  # the undelivered prefetched batches are dropped; resume redoes them
+            return True
+        return False
 
     # --- checkpointing and stats -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -221,6 +221,10 @@ def _worker_main(job: BatchJob, ring: Ring, conn: Any, data: Any, gen: Any, want
     for c in main_ends:
         c.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is main's to handle
+    # So are the batch system's warnings (Slurm --signal=USR1@120 reaches every process of the
+    # step; their default action would kill the worker).
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     if cpus:
         try:
             os.sched_setaffinity(0, {cpus[index % len(cpus)]})

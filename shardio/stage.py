@@ -1391,7 +1391,8 @@ class Stager:
             gc.freeze()  # objects of the parent are never collected (and never close anything)
             stop = [False]
             signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+                signal.signal(sig, signal.SIG_IGN)
             try:
                 signal.set_wakeup_fd(-1)
             except ValueError:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import UsageError
 
-__all__ = ["Topology"]
+__all__ = ["Topology", "discover_cpus", "numa_nodes"]
 
 _RANK_VARS = (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"),
               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
@@ -66,3 +66,57 @@ class Topology:
         else:
             local, local_world = rank, world
         return cls(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
+
+
+def numa_nodes(sysfs: str = "/sys/devices/system/node") -> dict[int, list[int]]:
+    """NUMA node -> its CPUs, from sysfs (``{}`` where sysfs has no node directory)."""
+    out: dict[int, list[int]] = {}
+    try:
+        names = os.listdir(sysfs)
+    except OSError:
+        return out
+    for name in names:
+        if name.startswith("node") and name[4:].isdigit():
+            try:
+                with open(os.path.join(sysfs, name, "cpulist")) as f:
+                    out[int(name[4:])] = _parse_cpulist(f.read())
+            except (OSError, ValueError):
+                continue
+    return dict(sorted(out.items()))
+
+
+def _parse_cpulist(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]`` (the kernel's cpulist format)."""
+    cpus: list[int] = []
+    for part in filter(None, text.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def discover_cpus(env: Mapping[str, str] | None = None,
+                  allowed: set[int] | None = None,
+                  nodes: Mapping[int, list[int]] | None = None) -> list[int]:
+    """The CPUs this process may run loader workers on, grouped by NUMA node.
+
+    Starts from the affinity mask (which already reflects the cgroup cpuset and a Slurm or MPI
+    binding); when ``SLURM_CPUS_PER_TASK`` is set and smaller, keeps that many, preferring the
+    NUMA node with the most allowed CPUs so that workers share a memory controller.
+
+    Args:
+        env, allowed, nodes: injected environment, affinity set and NUMA map (tests).
+    """
+    env = os.environ if env is None else env
+    if allowed is None:
+        allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+    if not allowed:
+        allowed = set(range(os.cpu_count() or 1))
+    nodes = numa_nodes() if nodes is None else nodes
+    groups = [[c for c in cpus if c in allowed] for cpus in nodes.values()]
+    groups = sorted((g for g in groups if g), key=lambda g: (-len(g), g[0]))
+    placed = {c for g in groups for c in g}
+    ordered = [c for g in groups for c in g] + sorted(allowed - placed)
+    limit = env.get("SLURM_CPUS_PER_TASK", "")
+    if limit.isdigit() and 0 < int(limit) < len(ordered):
+        ordered = ordered[: int(limit)]
+    return ordered
