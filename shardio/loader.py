@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._tree import plan_collate, plan_tree, read_header, read_tree
 from ._fsutil import atomic_write_bytes
+from ._tree import plan_collate, plan_tree, read_header, read_tree
 from .config import LoaderOptions
 from .dataset import ShardDataset
 from .errors import UsageError, WorkerCrashedError
