@@ -12,6 +12,10 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .packer import PartResult
 
 __all__ = ["main"]
 
@@ -58,6 +62,17 @@ def _parser() -> argparse.ArgumentParser:
                     help="Lustre stripes per shard (-1: all OSTs; default 1)")
     pk.add_argument("--stripe-size", default="4MiB", help="Lustre stripe size (default 4MiB)")
     pk.add_argument("--stripe-pool", default=None, help="Lustre OST pool")
+    pk.add_argument("--part", metavar="I/N|auto", default=None,
+                    help="multi-node pack: write only part I of N (from 0) of the shards into "
+                    "OUT, which all parts share ('auto': from Slurm/torchrun/MPI rank variables); "
+                    "run `shardio merge OUT` once every part has finished")
+
+    mg = sub.add_parser("merge", help="publish the manifest of a multi-node pack (pack --part) "
+                        "once every part has finished")
+    mg.add_argument("out", help="the output directory the parts packed into")
+    mg.add_argument("--verify", action="store_true",
+                    help="also hash every shard against the digest its part recorded")
+    mg.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     vf = sub.add_parser("verify", help="recompute every checksum of a dataset")
     vf.add_argument("dataset")
@@ -119,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_pack(a: argparse.Namespace) -> int:
     from .config import PackOptions
+    from .manifest import Manifest
     from .packer import pack
 
     shard_size = a.shard_size
@@ -130,11 +146,13 @@ def _cmd_pack(a: argparse.Namespace) -> int:
         label_from_dir=a.label_from_dir, checksum=a.checksum, on_error=a.on_error,
         overwrite=a.overwrite, resume=a.resume, fsync=not a.no_fsync, prefix=a.prefix,
         parity=a.parity, stripe_count=a.stripe_count, stripe_size=a.stripe_size,
-        stripe_pool=a.stripe_pool,
+        stripe_pool=a.stripe_pool, part=a.part,
     )
     t0 = time.perf_counter()
     m = pack(a.src, a.out, opts, files_from=a.files_from, progress=a.progress)
     dt = max(time.perf_counter() - t0, 1e-9)
+    if not isinstance(m, Manifest):
+        return _print_part(m, dt, a.json)
     st = dict(m.stats)
     st["seconds"] = round(dt, 3)
     st["files_per_s"] = round(st["files_in"] / dt, 1)
@@ -154,6 +172,41 @@ def _cmd_pack(a: argparse.Namespace) -> int:
         print(f"layout: {st['layout']}")
     if st["skipped"]:
         print("skipped: " + ", ".join(f"{k}={v}" for k, v in st["skipped"].items()))
+    print(f"manifest: {os.path.join(a.out, 'manifest.json')}")
+    return 0
+
+
+def _print_part(r: PartResult, dt: float, as_json: bool) -> int:
+    from dataclasses import asdict
+
+    if as_json:
+        print(json.dumps({**asdict(r), "seconds": round(dt, 3)}, sort_keys=True))
+        return 0
+    head = f"part {r.part}/{r.parts}"
+    if r.merged:
+        print(f"{head}: the job is already merged; nothing to do")
+    elif r.first == r.stop:
+        print(f"{head}: no shards to write (more parts than the job's {r.total_shards} shards)")
+    else:
+        kept = f"; kept {r.kept} finished earlier" if r.kept else ""
+        print(f"{head}: wrote shards {r.first}..{r.stop - 1} of {r.total_shards} "
+              f"({r.shards[0]} .. {r.shards[-1]}), {r.samples} samples, {_human(r.bytes)} in "
+              f"{dt:.2f}s{kept}")
+    if not r.merged:
+        print(f"once all {r.parts} parts have finished, run: {r.merge_command}")
+    return 0
+
+
+def _cmd_merge(a: argparse.Namespace) -> int:
+    from .packer import merge
+
+    m = merge(a.out, verify=a.verify)
+    st = m.stats
+    if a.json:
+        print(json.dumps(st, sort_keys=True))
+        return 0
+    print(f"merged {st['shards']} {m.shard_format} shards ({st['samples']} samples, "
+          f"{_human(st['shard_bytes'])}) from {st['files_in']} files")
     print(f"manifest: {os.path.join(a.out, 'manifest.json')}")
     return 0
 
@@ -299,8 +352,8 @@ def _cmd_index(a: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"pack": _cmd_pack, "verify": _cmd_verify, "inspect": _cmd_inspect, "index": _cmd_index,
-             "repair": _cmd_repair, "stage": _cmd_stage, "bench": _cmd_bench}
+_COMMANDS = {"pack": _cmd_pack, "merge": _cmd_merge, "verify": _cmd_verify, "inspect": _cmd_inspect,
+             "index": _cmd_index, "repair": _cmd_repair, "stage": _cmd_stage, "bench": _cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

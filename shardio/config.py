@@ -58,6 +58,22 @@ def check_format(name: str) -> str:
     return name
 
 
+def _parse_part(spec: object) -> tuple[int, int] | str:
+    """``"I/N"`` or ``(I, N)`` to ``(I, N)`` with ``0 <= I < N``; ``"auto"`` stays as is."""
+    if spec == "auto":
+        return "auto"
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec) if isinstance(spec, str) else None
+    part = (int(match.group(1)), int(match.group(2))) if match is not None else spec
+    if (isinstance(part, tuple) and len(part) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in part)
+            and 0 <= part[0] < part[1]):
+        return part
+    raise UsageError(
+        f"invalid part {spec!r}; write it as I/N with 0 <= I < N (part I of N, counted from 0), "
+        "e.g. --part 0/4, or --part auto to take it from Slurm/torchrun/MPI variables"
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class PackOptions:
     """How ``shardio pack`` shards a source.
@@ -84,6 +100,12 @@ class PackOptions:
             filesystems layout options are reported and ignored.
         stripe_size: Lustre stripe size (``"4MiB"`` accepted; a multiple of 64 KiB).
         stripe_pool: Lustre OST pool, or ``None``.
+        part: pack only part ``I`` of ``N`` of a multi-node job: ``(I, N)``, ``"I/N"``, or
+            ``"auto"`` (rank and world size from Slurm, torchrun or MPI variables, read by
+            :meth:`~shardio.Topology.from_env` when the pack starts).  Every part computes the
+            same global shard plan and writes a contiguous, byte-balanced share of its shards
+            under their global names; ``shardio merge`` then publishes the manifest.  Not part of
+            the job fingerprint: the merged dataset is the same for any ``N``.
     """
 
     format: str = "tar"
@@ -103,9 +125,12 @@ class PackOptions:
     stripe_count: int = 1
     stripe_size: int | str = 4 << 20
     stripe_pool: str | None = None
+    part: tuple[int, int] | str | None = None
 
     def __post_init__(self) -> None:
         check_format(self.format)
+        if self.part is not None:
+            object.__setattr__(self, "part", _parse_part(self.part))
         object.__setattr__(self, "stripe_size", parse_size(self.stripe_size))
         if self.stripe_size % (64 << 10):
             raise UsageError(f"stripe_size must be a multiple of 64KiB, got {self.stripe_size}")

@@ -62,6 +62,7 @@ EXPECTED_ALL = [
     "describe",
     "errors",
     "index_tars",
+    "merge",
     "open_dataset",
     "pack",
     "verify_dataset",
