@@ -268,7 +268,10 @@ class LoaderOptions:
     """Worker-pool and shared-memory settings of :class:`~shardio.ShardLoader`.
 
     Args:
-        ring_bytes: shared memory per worker (``"128MiB"`` accepted); must hold a few batches.
+        ring_bytes: shared memory per worker (``"128MiB"`` accepted); ``"auto"`` (default):
+            room for 8 batches the size of the epoch's first batch (built once in the main
+            process to measure it), 8-256 MiB.  A batch larger than the ring travels through a
+            pipe (one copy, one warning) instead of failing.
         shm_dir: directory for the rings (default ``/dev/shm``); any file-backed directory works
             where ``/dev/shm`` is small.
         cpus: CPUs to pin workers to, one each, round-robin (e.g. the cores of one NUMA node);
@@ -286,7 +289,7 @@ class LoaderOptions:
         warn_wait_ratio: warn once when waiting exceeds this multiple of computing.
     """
 
-    ring_bytes: int | str = 128 << 20
+    ring_bytes: int | str = "auto"
     shm_dir: str | None = None
     cpus: tuple[int, ...] | str | None = None
     poll_interval: float = 0.2
@@ -297,7 +300,8 @@ class LoaderOptions:
     warn_wait_ratio: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ring_bytes", parse_size(self.ring_bytes))
+        if self.ring_bytes != "auto":
+            object.__setattr__(self, "ring_bytes", parse_size(self.ring_bytes))
         if self.cpus == "auto":
             pass
         elif isinstance(self.cpus, str):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import time
 import warnings
@@ -39,6 +40,12 @@ __all__ = ["ShardLoader"]
 
 log = logging.getLogger("shardio.loader")
 
+AUTO_RING_BATCHES = 8
+"""``ring_bytes="auto"``: batches each worker's ring holds (in flight plus held by the loop)."""
+AUTO_RING_MIN = 8 << 20
+AUTO_RING_MAX = 256 << 20
+AUTO_RING_FALLBACK = 64 << 20  # when the sample batch cannot be built in the main process
+
 
 class _Lease(np.ndarray):
     """The uint8 view of one ring message; every array of the batch is a view of it."""
@@ -53,6 +60,7 @@ class _Job:
         self.order: EpochOrder | None = None
         self.plan: RankPlan | None = None
         self.cursor = 0
+        self.report = True  # tell the node's stager where this reader is
 
     def begin(self, spec: dict[str, Any]) -> None:
         # Everything comes from ``spec``: the dataset's epoch and cursor live in memory shared
@@ -78,7 +86,8 @@ class _Job:
         else:
             ids = ds._step_ids(self.order, plan, self.cursor, step)
         self.ahead = None
-        ds._report(self.epoch, self.cursor + step * plan.world_size * plan.batch_size)
+        if self.report:
+            ds._report(self.epoch, self.cursor + step * plan.world_size * plan.batch_size)
         nxt = step + self.stride
         if ds.options.prefetch_shards and nxt < plan.num_batches:
             self.ahead = (nxt, ds._step_ids(self.order, plan, self.cursor, nxt))
@@ -154,6 +163,8 @@ class ShardLoader:
         self._stats = LoaderStats(log_every=options.log_every, window=options.warn_window,
                                   warn_ratio=options.warn_wait_ratio)
         self._iterating = False
+        self._warned_big = False
+        self.ring_bytes = 0 if options.ring_bytes == "auto" else int(options.ring_bytes)
         self._preempt: tuple[str | None, Any, bool] = (None, None, True)
         self._preempt_pending = False
         self.preempted = False
@@ -191,13 +202,67 @@ class ShardLoader:
             o = self.options
             pool = WorkerPool(
                 _Job(self.dataset, self.collate_fn),
-                PoolOptions(num_workers=self.num_workers, ring_bytes=o.ring_bytes,
+                PoolOptions(num_workers=self.num_workers, ring_bytes=self._ring_bytes(),
                             shm_dir=o.shm_dir, cpus=self._cpus(), poll_interval=o.poll_interval,
                             max_restarts=o.max_restarts),
             )
             pool.start()  # closes itself if it fails: keep no half-started pool around
             self._pool = pool
         return self._pool
+
+    def _ring_bytes(self) -> int:
+        """``ring_bytes``, or for ``"auto"`` room for :data:`AUTO_RING_BATCHES` batches of the size
+        of this epoch's first batch, in whole MiB between :data:`AUTO_RING_MIN` and
+        :data:`AUTO_RING_MAX` (:data:`AUTO_RING_FALLBACK` if that batch cannot be built)."""
+        size = self.options.ring_bytes
+        if size != "auto":
+            return int(size)
+        nbytes = self._sample_batch_bytes()
+        if nbytes is None:
+            size = AUTO_RING_FALLBACK
+        else:
+            want = AUTO_RING_BATCHES * (nbytes + 4096)
+            size = min(AUTO_RING_MAX, max(AUTO_RING_MIN, -(-want // (1 << 20)) << 20))
+        log.info("ring_bytes auto: first batch %s bytes -> %d MiB per worker", nbytes, size >> 20)
+        self.ring_bytes = size
+        return size
+
+    def _sample_batch_bytes(self, timeout: float = 120.0) -> int | None:
+        """Size of the epoch's first batch, built in a forked child: the user's transform and
+        collate run in a process of their own, as in the workers, so nothing they do (CUDA, exit,
+        a crash) touches the training process.  None if it fails or takes over ``timeout``."""
+        ds = self.dataset
+        topo = ds.topology
+        spec = {"epoch": ds.epoch, "cursor": ds._cursor, "world_size": topo.world_size,
+                "rank": topo.rank, "batch_size": self.batch_size, "stride": 1}
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 0
+            try:
+                os.close(r)
+                job = _Job(ds, self.collate_fn)
+                job.report = False  # a sample batch, not a reader the stager should wait for
+                job.begin(spec)
+                n = job.produce(0)[0].nbytes if job.plan and job.plan.num_batches else 0
+                os.write(w, n.to_bytes(8, "little"))
+            except BaseException:  # noqa: BLE001 - the workers meet it again and report it
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(w)
+        try:
+            ready = select.select([r], [], [], timeout)[0]
+            data = os.read(r, 8) if ready else b""
+        finally:
+            os.close(r)
+            if not data:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            os.waitpid(pid, 0)
+        return int.from_bytes(data, "little") if len(data) == 8 else None
 
     def _cpus(self) -> tuple[int, ...] | None:
         cpus = self.options.cpus
@@ -255,6 +320,15 @@ class ShardLoader:
 
     def _materialize(self, ring: Any, msg: Any) -> Any:
         spilled = ring is None  # came through the worker's spill pipe: already a private copy
+        if spilled and self.ring_bytes and len(msg.view) > self.ring_bytes - 4096:
+            if not self._warned_big:
+                self._warned_big = True
+                warnings.warn(
+                    f"a batch of {len(msg.view)} bytes does not fit the {self.ring_bytes} byte "
+                    "shared-memory ring; such batches are copied through a pipe (slower): raise "
+                    "ring_bytes", RuntimeWarning, stacklevel=3)
+            self._stats.copied_out += 1
+            return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy)
         if spilled or ring.held_bytes() > ring.capacity * self.options.max_held_fraction:
             if not self._warned_copy:
                 self._warned_copy = True

@@ -148,11 +148,11 @@ class _Output:
                 kind: int = KIND_BATCH) -> Sent:
         """Write one message to the ring (or the spill pipe).
 
-        Raises:
-            MessageTooLargeError: a batch can never fit the ring.
+        A message larger than the ring can ever hold (an unusually large batch) goes through
+        the spill pipe (one copy) instead of failing.
         """
         nbytes = plan.nbytes
-        if kind == KIND_ERROR and nbytes > self.ring.max_message:
+        if nbytes > self.ring.max_message:
             return self._spill(plan, step, times, generation, kind)
         first = True
         while True:
