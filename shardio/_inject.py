@@ -47,10 +47,23 @@ _RULES = parse_rules(os.environ.get(ENV, ""))
 ACTIVE = bool(_RULES)
 
 
+_MATCH: dict[str, tuple[float, float] | None] = {}
+
+
+def _rule_for(path: str) -> tuple[float, float] | None:
+    """The (bandwidth, latency) rule covering ``path``, resolved once per path: reads on
+    other paths (a local copy, the node cache) must not pay a ``realpath`` per read."""
+    try:
+        return _MATCH[path]
+    except KeyError:
+        real = os.path.realpath(path)
+        rule = next(((bw, lat) for prefix, bw, lat in _RULES if real.startswith(prefix)), None)
+        _MATCH[path] = rule
+        return rule
+
+
 def delay(path: str, nbytes: int) -> None:
     """Sleep as a read of ``nbytes`` from ``path`` would take on the simulated slow store."""
-    real = os.path.realpath(path)
-    for prefix, bw, lat in _RULES:
-        if real.startswith(prefix):
-            time.sleep(lat + nbytes / bw)
-            return
+    rule = _rule_for(path)
+    if rule is not None:
+        time.sleep(rule[1] + nbytes / rule[0])
