@@ -266,6 +266,10 @@ def run_bench(bench: Bench, out: Path, *, quick: bool, workdir: str | None = Non
         status = "failed"
         record["error"] = f"exit 0 but {jsonl.name} was not written"
     record["status"] = status
+    if status in ("timeout", "interrupted"):
+        # The script was stopped; if it still managed to write its lines during the grace
+        # period (a signal its worker pool swallowed), they belong to a run that was cut off.
+        jsonl.unlink(missing_ok=True)
     if status != "ok":
         record["log_tail"] = _log_tail(log)
     if interrupted:

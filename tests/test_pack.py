@@ -345,7 +345,7 @@ def test_progress_quiet_without_terminal(image_tree: Path, tmp_path: Path) -> No
 # Big enough that the pack writes ~1500 shards of about a millisecond each, so a signal sent once
 # the first 20 are published lands while it is still running.  --no-fsync: a killed process loses
 # nothing from the page cache, and fsync would make the run hostage to other disk traffic.
-RESUME_FILES, RESUME_PER_SHARD = 3000, 2
+RESUME_FILES, RESUME_PER_SHARD = 6000, 2
 
 
 @pytest.fixture(scope="module")

@@ -148,7 +148,7 @@ def test_interrupted_run_removes_its_directory(tmp_path: Path, sig: int) -> None
             time.sleep(0.01)
         time.sleep(0.2)
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=90)  # a deadline against hangs
     finally:
         if proc.poll() is None:
             proc.kill()
