@@ -25,17 +25,26 @@ Remainder when M is not a multiple of R: ``"pad"`` (default, like torch's Distri
 repeats samples from the start of the remaining order so every rank gets ``ceil(M/R)``;
 ``"drop"`` gives every rank ``floor(M/R)`` and leaves the last ``M mod R`` out.  Either way every
 rank yields the same number of samples and batches, so no DDP collective hangs.
+
+Node-affine order (:class:`NodeAffineOrder`): the same contract (a global order, a pure function
+of the manifest, ``seed`` and ``epoch``, split by ``RankPlan``), plus two parameters, the
+canonical node count C and the slice size U, chosen so that the slice of each step that
+``RankPlan`` gives one node's ranks comes from the few shards dealt to that node this epoch.  It
+is what a node-local stager needs: with :class:`EpochOrder` at 1,000 nodes every node reads about
+one sample per shard it touches.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .errors import UsageError
 
-__all__ = ["REMAINDER", "EpochOrder", "NodeSchedule", "RankPlan", "node_schedule"]
+__all__ = ["REMAINDER", "EpochOrder", "NodeAffineOrder", "NodeSchedule", "RankPlan",
+           "node_schedule"]
 
 REMAINDER = ("pad", "drop")
 
@@ -115,6 +124,268 @@ class EpochOrder:
         return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
+@dataclass
+class NodeAffineOrder:
+    """A global epoch order in which each node's share of every step comes from its own shards.
+
+    Like :class:`EpochOrder` this is the order of the whole epoch (global sample ids per epoch
+    position), split across ranks by :class:`RankPlan` and resumed from a cursor the same way;
+    every sample is at exactly one position.  It is a pure function of ``(counts, seed, epoch,
+    canonical_nodes, slice_size, canonical_ranks, remainder, shuffle, shuffle_block)`` and of
+    nothing else about the job.  The idea is MosaicML Streaming's *canonical nodes*: each epoch
+    the shards are dealt into C groups and a node reads only its group(s), so a node-local stager
+    copies about 1/C of the dataset per epoch instead of touching nearly every shard for about
+    one sample each (with :class:`EpochOrder` at 1,000 nodes).
+
+    Order
+        1. Permute the shards with the generator :class:`EpochOrder` uses (same ``seed`` and
+           ``epoch``); the *dealing stream* is the samples in permuted-shard order.
+        2. Cut the dealing stream into C contiguous *groups*, group ``g`` exactly ``G_g``
+           samples (below).  A shard straddling a cut is split at the sample (its first samples
+           end group ``g``, the rest begin ``g+1``), so at most C-1 shards belong to two groups
+           and every group has exactly the size the layout needs: no group runs out early.
+        3. Cut each group into shuffle blocks of whole pieces (a piece: the part of a shard in
+           the group) whose first sample falls in the same multiple of ``shuffle_block`` from
+           the group start, and permute each block as :class:`EpochOrder` does.  The group's
+           *stream* is its blocks in turn.
+        4. Interleave the streams in *slots*.  With M samples, ``J = M // (C*U)`` full rounds
+           come first (U = ``slice_size``): round ``j``, slot ``g``, epoch positions
+           ``[j*C*U + g*U, +U)``, is the next U samples of group ``g``'s stream.  The last
+           ``rem = M - J*C*U`` positions are cut as RankPlan cuts a last step over ``C*q``
+           ranks (q = ``canonical_ranks``): ``b = ceil(rem/(C*q))`` (``"pad"``) or
+           ``floor(rem/(C*q))`` (``"drop"``), part ``g`` = ``[g*q*b, (g+1)*q*b)`` clipped to
+           ``rem`` (with ``"drop"`` the last part also takes the ``rem mod C*q`` positions
+           RankPlan drops), and part ``g`` is the rest of group ``g``'s stream.
+           So ``G_g = J*U + |part g|``.
+        With C = 1 the order is *identical* to :class:`EpochOrder`'s with the same ``seed``,
+        ``epoch``, ``shuffle`` and ``shuffle_block``, whatever the other parameters.
+
+    In other words the order is what a *canonical job* of C nodes x q ranks, global batch C*U,
+    reads when canonical node ``g`` reads only group ``g``.  A physical job of R ranks, L per
+    node, N = R/L nodes, batch B, is local when it has that job's steps and last step:
+    ``R*B == C*U`` and ``R == C*q`` or, more generally, the node count divides C or is a
+    multiple of it with ``q = R/C`` (:meth:`for_job` sets U and q so), and the same remainder:
+        - ``C == N`` (the normal case, ``U = L*B``, ``q = L``): node ``n`` reads group ``n``;
+        - ``C == k*N`` (``U = L*B/k``, ``q = L/k``): node ``n`` reads U samples from each of
+          its groups ``n*k ... n*k+k-1`` every step (its slice concatenates k streams);
+        - ``N == k*C`` (``q = k*L``): k nodes share each group and read disjoint samples of it,
+          but each stages (part of) the group's shards: fewer canonical nodes, more copies.
+    The only cross-node reads are then RankPlan's padding (``"pad"`` re-reads the first
+    ``pad < R`` positions of the remaining order in the last step, samples of groups 0, 1, ...).
+    With another q or remainder only the last step (under C*U samples) is read across nodes;
+    with another C*U the order stays correct and only staging degrades.  ``U = L*B`` with
+    ``C = k*N`` also works, with node ``n`` owning the groups ``g % N == n`` one step each in
+    turn, but its last round spans k steps and is read across nodes.
+
+    Resume.  A job resumed with another topology reads the rest of the same order through
+    RankPlan: every remaining sample exactly once, as for EpochOrder.  It keeps locality when
+    its R*B, R and remainder match the order's C*U, C*q and remainder (e.g. half the nodes with
+    twice the ranks each, node ``n`` then reading groups ``2n`` and ``2n+1``; with twice the
+    batch instead, only its last step is read across nodes).  Keep C, U, q and the remainder
+    with the checkpoint and construct the order from them, not from the new job.
+
+    Trade-offs.  A rank's batch is a run of one group's stream: it is drawn from 1/C of the
+    dataset (about S/C of the S shards), not all of it.  The global batch spans every group and
+    the shard-to-group deal is redrawn every epoch, but with one class per shard a batch holds
+    only the classes of its group's shards, so the batch label entropy drops when S/C is small
+    against the number of classes (``tests/test_order_nodes.py`` reports the figure).  Every
+    shard of a group is first read near the start of the epoch (a group under one shuffle block
+    is one uniform permutation): a stager copies its whole group at once, or ahead of time,
+    since the deal of epoch ``e+1`` is known during epoch ``e``; a smaller ``shuffle_block``
+    spreads the copies over the epoch at the cost of shuffle quality.  Memory: per-shard and
+    per-group arrays plus the blocks a process reads (a rank or stager: its own groups').
+
+    Args:
+        counts: samples per shard, in manifest order.
+        seed: user seed.
+        epoch: epoch number.
+        canonical_nodes: C, the number of groups, >= 1.
+        slice_size: U, samples of a group per slot of a full round, >= 1.
+        canonical_ranks: q, ranks per canonical node for the last round's cut, >= 1.
+        remainder: ``"pad"`` or ``"drop"``, the RankPlan remainder the last round is cut for.
+        shuffle: permute (else manifest order dealt into groups and interleaved).
+        shuffle_block: samples per shuffle block inside a group.
+
+    Raises:
+        UsageError: a parameter below 1 or an unknown remainder.
+    """
+
+    counts: np.ndarray
+    seed: int = 0
+    epoch: int = 0
+    canonical_nodes: int = 1
+    slice_size: int = 1
+    canonical_ranks: int = 1
+    remainder: str = "pad"
+    shuffle: bool = True
+    shuffle_block: int = 1 << 18
+    _cache: dict[int, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("canonical_nodes", "slice_size", "canonical_ranks", "shuffle_block"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.remainder not in REMAINDER:
+            raise UsageError(f"remainder must be one of {REMAINDER}, got {self.remainder!r}")
+        counts = np.asarray(self.counts, dtype=np.int64)
+        self.counts = counts
+        self.offsets = np.concatenate([[0], np.cumsum(counts)])
+        if self.shuffle:
+            rng = np.random.default_rng([*_words(self.seed), self.epoch, 0x5EED])
+            perm = rng.permutation(len(counts))
+        else:
+            perm = np.arange(len(counts))
+        self._perm = perm
+        cum = np.concatenate([[0], np.cumsum(counts[perm])]).astype(np.int64)
+        self._cum = cum  # dealing-stream position of each permuted shard's first sample
+        self._shift = self.offsets[perm] - cum[:-1]  # sample id = dealing position + shift
+        m, c, u = int(cum[-1]), self.canonical_nodes, self.slice_size
+        self.rounds = m // (c * u)
+        rem = m - self.rounds * c * u
+        q = self.canonical_ranks
+        b = -(-rem // (c * q)) if self.remainder == "pad" else rem // (c * q)
+        self._tail = np.minimum(np.arange(c + 1, dtype=np.int64) * q * b, rem)  # part starts
+        self._tail[-1] = rem
+        sizes = self.rounds * u + np.diff(self._tail)
+        self.group_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        # Pieces: the dealing stream cut at every shard start and every group start.
+        cuts = np.union1d(cum, self.group_start)
+        cuts = cuts[cuts < m]
+        g = np.searchsorted(self.group_start, cuts, side="right") - 1
+        blk = (cuts - self.group_start[g]) // self.shuffle_block
+        new = np.ones(len(cuts), dtype=bool)
+        new[1:] = (np.diff(g) != 0) | (np.diff(blk) != 0)
+        self.block_bounds = np.concatenate([cuts[new], [m]]).astype(np.int64)
+        self.block_group = g[new]
+
+    @classmethod
+    def for_job(cls, counts: np.ndarray, *, world_size: int, local_world_size: int,
+                batch_size: int, canonical_nodes: int | None = None, remainder: str = "pad",
+                seed: int = 0, epoch: int = 0, shuffle: bool = True,
+                shuffle_block: int = 1 << 18) -> NodeAffineOrder:
+        """The order whose canonical job is this job: C defaults to the node count,
+        ``U = world_size * batch_size / C`` and ``q = world_size / C`` (1 when C does not
+        divide the world size: then only the last step is read across nodes).
+
+        Raises:
+            UsageError: nodes of unequal size, a C that is neither a multiple nor a divisor of
+                the node count, or a global batch that C does not divide.
+        """
+        if world_size < 1 or local_world_size < 1 or batch_size < 1:
+            raise UsageError("world_size, local_world_size and batch_size must be >= 1, got "
+                             f"{world_size}, {local_world_size}, {batch_size}")
+        if world_size % local_world_size:
+            raise UsageError(f"world_size {world_size} is not a multiple of local_world_size "
+                             f"{local_world_size}: nodes of unequal size cannot own one group "
+                             "each; use EpochOrder")
+        nodes = world_size // local_world_size
+        c = nodes if canonical_nodes is None else canonical_nodes
+        if c < 1 or (c % nodes and nodes % c):
+            raise UsageError(f"canonical_nodes {c} must be a multiple or a divisor of the node "
+                             f"count {nodes}; pass canonical_nodes={nodes}")
+        if (world_size * batch_size) % c:
+            raise UsageError(f"global batch {world_size * batch_size} is not a multiple of "
+                             f"canonical_nodes {c}; pass canonical_nodes={nodes} or a batch "
+                             f"size that makes world_size * batch_size a multiple of {c}")
+        q = world_size // c if world_size % c == 0 else 1
+        return cls(counts, seed=seed, epoch=epoch, canonical_nodes=c,
+                   slice_size=world_size * batch_size // c, canonical_ranks=q,
+                   remainder=remainder, shuffle=shuffle, shuffle_block=shuffle_block)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def num_blocks(self) -> int:
+        """Shuffle blocks over all groups."""
+        return len(self.block_bounds) - 1
+
+    @property
+    def group_sizes(self) -> np.ndarray:
+        """Samples of each group (``G_g``)."""
+        return np.diff(self.group_start)
+
+    def group_shards(self, group: int) -> np.ndarray:
+        """Manifest indexes of the shards group ``group`` reads, in dealing order (a shard split
+        between two groups is listed by both)."""
+        lo, hi = self.group_start[group], self.group_start[group + 1]
+        a = int(np.searchsorted(self._cum, lo, side="right")) - 1
+        b = int(np.searchsorted(self._cum, hi, side="left"))
+        shards = self._perm[a:b] if hi > lo else self._perm[:0]
+        return shards[self.counts[shards] > 0].astype(np.int64)
+
+    def block(self, k: int) -> np.ndarray:
+        """Sample ids of block ``k`` (of all groups') in its group's stream order (the last two
+        blocks are cached: a reader moves through its own group's blocks)."""
+        ids = self._cache.get(k)
+        if ids is not None:
+            return ids
+        d = np.arange(self.block_bounds[k], self.block_bounds[k + 1], dtype=np.int64)
+        ids = d + self._shift[np.searchsorted(self._cum, d, side="right") - 1]
+        if self.shuffle:
+            rng = np.random.default_rng([*_words(self.seed), self.epoch, k, 0xB10C])
+            ids = ids[rng.permutation(len(ids))]
+        if len(self._cache) >= 2:
+            del self._cache[next(iter(self._cache))]
+        self._cache[k] = ids
+        return ids
+
+    def block_positions(self, k: int) -> np.ndarray:
+        """Epoch positions of block ``k``'s samples, aligned with :meth:`block` (increasing)."""
+        g = int(self.block_group[k])
+        s = np.arange(self.block_bounds[k], self.block_bounds[k + 1],
+                      dtype=np.int64) - self.group_start[g]
+        c, u, j = self.canonical_nodes, self.slice_size, self.rounds
+        return np.where(s < j * u, (s // u) * c * u + g * u + s % u,
+                        j * c * u + self._tail[g] + s - j * u)
+
+    def _locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(group, dealing-stream position)`` of each epoch position."""
+        p = np.asarray(positions, dtype=np.int64)
+        if p.size and (int(p.min()) < 0 or int(p.max()) >= len(self)):
+            raise UsageError(f"epoch positions must lie in [0, {len(self)}), got "
+                             f"[{int(p.min())}, {int(p.max())}]")
+        c, u, j = self.canonical_nodes, self.slice_size, self.rounds
+        body = j * c * u
+        g, s = np.empty_like(p), np.empty_like(p)
+        head = p < body
+        ph = p[head]
+        g[head], s[head] = (ph // u) % c, (ph // (c * u)) * u + ph % u
+        q = p[~head] - body
+        gt = np.searchsorted(self._tail, q, side="right") - 1
+        g[~head], s[~head] = gt, j * u + q - self._tail[gt]
+        return g, self.group_start[g] + s
+
+    def groups_at(self, positions: np.ndarray) -> np.ndarray:
+        """The group whose stream supplies each epoch position."""
+        return self._locate(positions)[0]
+
+    def ids_at(self, positions: np.ndarray) -> np.ndarray:
+        """Global sample ids at epoch positions (any order, each in ``[0, len(self))``), looked
+        up block by block in the blocks they fall in.
+
+        Raises:
+            UsageError: a position outside the epoch.
+        """
+        _, d = self._locate(positions)
+        out = np.empty(len(d), np.int64)
+        if not len(d):
+            return out
+        k = np.searchsorted(self.block_bounds, d, side="right") - 1
+        idx = np.argsort(k, kind="stable")
+        ks = k[idx]
+        cuts = np.flatnonzero(np.diff(ks)) + 1
+        bounds = np.concatenate([[0], cuts, [len(ks)]]).tolist()
+        for lo, hi in itertools.pairwise(bounds):
+            b, sel = int(ks[lo]), idx[lo:hi]
+            out[sel] = self.block(b)[d[sel] - self.block_bounds[b]]
+        return out
+
+    def samples(self, start: int, stop: int) -> np.ndarray:
+        """Global sample ids at epoch positions ``[start, stop)``."""
+        return self.ids_at(np.arange(start, stop, dtype=np.int64))
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """This rank's share of the remaining epoch, in batches; see the module docstring.
@@ -190,14 +461,16 @@ class NodeSchedule:
         return len(self.shards)
 
 
-def node_schedule(order: EpochOrder, *, world_size: int = 1, local_world_size: int = 1,
-                  node: int = 0, batch_size: int = 1, remainder: str = "pad") -> NodeSchedule:
+def node_schedule(order: EpochOrder | NodeAffineOrder, *, world_size: int = 1,
+                  local_world_size: int = 1, node: int = 0, batch_size: int = 1,
+                  remainder: str = "pad") -> NodeSchedule:
     """The shards node ``node`` reads in ``order``'s epoch and when (see :class:`NodeSchedule`).
 
     The node's ranks are ``node * local_world_size ...`` (consecutive, as torchrun and Slurm
     number them), so at each step the node reads one contiguous slice of the epoch order.
     Memory is a few int64 per sample the node reads plus one shuffle block: sample ids are
-    looked up block by block, in the blocks the node reads, never over the whole epoch.
+    looked up block by block, in the blocks the node reads, never over the whole epoch (for a
+    :class:`NodeAffineOrder` on a matching job, the blocks of the node's own groups).
     """
     n = len(order)
     plan = RankPlan(n, world_size, 0, batch_size, remainder)
@@ -220,7 +493,8 @@ def node_schedule(order: EpochOrder, *, world_size: int = 1, local_world_size: i
     rep_start = np.repeat(start - np.concatenate([[0], np.cumsum(length)[:-1]]), length)
     positions = (np.arange(total, dtype=np.int64) + rep_start) % n
     times = np.repeat(step_pos, length)
-    ids = _ids_by_block(order, positions)
+    ids = (order.ids_at(positions) if isinstance(order, NodeAffineOrder)
+           else _ids_by_block(order, positions))
     shard_of = np.searchsorted(order.offsets, ids, side="right") - 1
     # first/last time per shard
     k = np.argsort(shard_of, kind="stable")
@@ -242,7 +516,7 @@ def _ids_by_block(order: EpochOrder, positions: np.ndarray) -> np.ndarray:
     blocks = np.searchsorted(order.block_start, pos, side="right") - 1
     cuts = np.flatnonzero(np.diff(blocks)) + 1
     bounds = np.concatenate([[0], cuts, [len(pos)]]).tolist()
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         b = int(blocks[lo])
         ids[k[lo:hi]] = order.block(b)[pos[lo:hi] - order.block_start[b]]
     return ids

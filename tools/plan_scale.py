@@ -16,6 +16,16 @@ allocator gives shard ``i`` when files are created in manifest order (``(k + i) 
 ``k`` seeded), or a seeded uniform OST (``--ost-layout random``, what the weighted QoS
 allocator tends to when OSTs are unevenly full).
 
+``--order node`` plans with :class:`~shardio.order.NodeAffineOrder` instead of EpochOrder,
+made by ``NodeAffineOrder.for_job`` for the simulated job: C = ``--canonical-nodes`` (default the
+node count), U = R*B/C, q = R/C, the job's remainder.  Its blocks are per group; a shard split
+between two groups lies in two blocks, so the exact pass merges (node, shard) and
+(rank-worker, shard) pairs over blocks before counting them, and ``staging`` gains ``locality``:
+per (node, group) reads, a group's *home* the node that reads most of it, cross-node reads
+(reads outside the reader's home groups: padding, or the last step when the job is not the
+order's canonical job) and the shards each node stages outside its home groups' shards.  The
+default ``--window-step`` is then 0, where a node first reads nearly all of its group.
+
 Figure groups
     ``rank_plan``: wall time and peak memory on ONE rank (``--rank``) to build the
         :class:`~shardio.order.EpochOrder` and the sample ids of every batch the rank reads in
@@ -76,7 +86,7 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -85,11 +95,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shardio.lustre import spread_by_ost  # noqa: E402
-from shardio.order import EpochOrder, RankPlan, node_schedule  # noqa: E402
+from shardio.order import EpochOrder, NodeAffineOrder, RankPlan, node_schedule  # noqa: E402
 
 OPS_SMALL_FILE = 2  # open + stat per sample
 OPS_SHARD_OPEN = 3  # stat + index open + shard open per shard copy opened
 TARGET_SECONDS, TARGET_MB, TARGET_OST = 1.0, 100.0, 1.2
+ORDERS = ("epoch", "node")
+Order = EpochOrder | NodeAffineOrder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +128,8 @@ class Config:
     prefetch_window: int = 16
     window_step: int | None = None
     repeats: int = 3
+    order: str = "epoch"
+    canonical_nodes: int | None = None
 
     @classmethod
     def small(cls, **changes: Any) -> Config:
@@ -133,6 +147,10 @@ class Config:
             raise ValueError(f"samples ({self.samples}) must be >= shards ({self.shards})")
         if not 0 <= self.spread < 1:
             raise ValueError(f"spread must be in [0, 1), got {self.spread}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if self.canonical_nodes is not None and self.canonical_nodes < 1:
+            raise ValueError(f"canonical_nodes must be >= 1, got {self.canonical_nodes}")
         if self.ost_layout not in ("round-robin", "random"):
             raise ValueError(f"ost_layout must be round-robin or random, got {self.ost_layout}")
         if not 0 <= self.rank < self.world:
@@ -169,8 +187,33 @@ def synthetic_manifest(cfg: Config) -> Manifest:
     return Manifest(counts, sizes, osts.astype(np.int64))
 
 
-def make_order(cfg: Config, counts: np.ndarray) -> EpochOrder:
-    return EpochOrder(counts, seed=cfg.seed, epoch=cfg.epoch, shuffle_block=cfg.shuffle_block)
+def make_order(cfg: Config, counts: np.ndarray) -> Order:
+    """The epoch order ``--order`` names; ``node``: ``NodeAffineOrder.for_job`` (C =
+    ``--canonical-nodes``, default the node count, U = R*B/C, q = R/C, this remainder)."""
+    if cfg.order == "epoch":
+        return EpochOrder(counts, seed=cfg.seed, epoch=cfg.epoch,
+                          shuffle_block=cfg.shuffle_block)
+    return NodeAffineOrder.for_job(counts, world_size=cfg.world,
+                                   local_world_size=cfg.ranks_per_node,
+                                   batch_size=cfg.batch_size, canonical_nodes=cfg.canonical_nodes,
+                                   remainder=cfg.remainder, seed=cfg.seed, epoch=cfg.epoch,
+                                   shuffle_block=cfg.shuffle_block)
+
+
+def blocks(order: Order) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """``(group, epoch positions, sample ids)`` of each shuffle block, positions increasing;
+    together every position once.  EpochOrder has one group, 0."""
+    if isinstance(order, EpochOrder):
+        for b in range(len(order.block_shards)):
+            lo, hi = int(order.block_start[b]), int(order.block_start[b + 1])
+            yield 0, np.arange(lo, hi, dtype=np.int64), order.block(b)
+    else:
+        for k in range(order.num_blocks):
+            yield int(order.block_group[k]), order.block_positions(k), order.block(k)
+
+
+def num_blocks(order: Order) -> int:
+    return len(order.block_shards) if isinstance(order, EpochOrder) else order.num_blocks
 
 
 def make_plan(cfg: Config, n: int, rank: int = 0) -> RankPlan:
@@ -178,7 +221,7 @@ def make_plan(cfg: Config, n: int, rank: int = 0) -> RankPlan:
 
 
 # --- one rank's planning, timed ----------------------------------------------------------------
-def ids_at(order: EpochOrder, start: int, stop: int) -> np.ndarray:
+def ids_at(order: Order, start: int, stop: int) -> np.ndarray:
     """Sample ids at remaining-order positions ``[start, stop)`` (padding wraps modulo M)."""
     n = len(order)
     positions = np.arange(start, stop, dtype=np.int64) % n
@@ -240,52 +283,98 @@ def _pairs(key: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     return ks[lo], st[lo], st[hi]
 
 
-def epoch_pass(cfg: Config, man: Manifest, order: EpochOrder, keep: set[int],
+def epoch_pass(cfg: Config, man: Manifest, order: Order, keep: set[int],
                window_step: int) -> dict[str, Any]:
     """Every position of the epoch, one shuffle block at a time; see the module docstring."""
     n, s, o, w = len(order), cfg.shards, cfg.osts, cfg.workers
     plan = make_plan(cfg, n)
     total, steps = cfg.world * plan.per_rank, plan.num_batches
+    # EpochOrder's blocks hold whole shards; NodeAffineOrder splits a shard between two groups,
+    # so its (node, shard) and (rank-worker, shard) pairs are merged over blocks at the end.
+    disjoint = isinstance(order, EpochOrder)
+    groups = order.canonical_nodes if isinstance(order, NodeAffineOrder) else 1
     acc = {"node_shards": np.zeros(cfg.nodes, np.int64),
            "node_bytes": np.zeros(cfg.nodes, np.int64),
            "rank_reads": np.zeros(cfg.world, np.int64), "ost_bytes": np.zeros(o, np.int64),
            "step_ost_bytes": np.zeros(steps * o, np.int64), "hits": np.zeros(n, np.int32),
+           "node_group_reads": np.zeros(cfg.nodes * groups, np.int64),
            "rw_pairs": 0, "kept": [], "window": []}
+    rw_keys: list[np.ndarray] = []
+    pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     keep_arr = np.array(sorted(keep), dtype=np.int64)
-    for b in range(len(order.block_shards)):
-        lo, hi = int(order.block_start[b]), int(order.block_start[b + 1])
-        if hi == lo:
+    for group, pos, ids in blocks(order):
+        # positions reading this block: pos + j*n for each wrap j, below total (pad wraps)
+        runs = [(pos[:np.searchsorted(pos, total - j * n)] + j * n)
+                for j in range(-(-total // n)) if n]
+        runs = [r for r in runs if len(r)]
+        if not runs:
             continue
-        # positions reading this block: p with p mod n in [lo, hi), p < total (pad wraps)
-        ps = [np.arange(j * n + lo, min(j * n + hi, total), dtype=np.int64)
-              for j in range(-(-total // n)) if j * n + lo < total]
-        if not ps:
-            continue
-        for p in ps:  # each run reads distinct samples: fancy-index increments are exact
-            acc["hits"][order.block(b)[p % n - lo]] += 1
-        p = np.concatenate(ps)
-        shard = np.searchsorted(order.offsets, order.block(b)[p % n - lo], side="right") - 1
+        read = []
+        for p in runs:  # each run reads distinct samples: fancy-index increments are exact
+            read.append(ids[:len(p)])
+            acc["hits"][read[-1]] += 1
+        p = np.concatenate(runs)
+        shard = np.searchsorted(order.offsets, np.concatenate(read), side="right") - 1
         rank, step = rank_of(cfg, plan, p)
+        node = rank // cfg.ranks_per_node
         acc["rank_reads"] += np.bincount(rank, minlength=cfg.world)
-        rw = (rank * w + step % w) * s + shard
-        acc["rw_pairs"] += len(np.unique(rw))
-        key, first, last = _pairs(rank // cfg.ranks_per_node * s + shard, step)
-        node, sh = key // s, key % s
-        size, ost = man.sizes[sh], man.osts[sh]
-        acc["node_shards"] += np.bincount(node, minlength=cfg.nodes)
-        acc["node_bytes"] += np.rint(np.bincount(node, size, cfg.nodes)).astype(np.int64)
-        acc["ost_bytes"] += np.rint(np.bincount(ost, size, o)).astype(np.int64)
-        acc["step_ost_bytes"] += np.rint(np.bincount(first * o + ost, size, steps * o)).astype(
-            np.int64)
-        m = np.isin(node, keep_arr)
-        acc["kept"].append(np.stack([node[m], sh[m], first[m], last[m]], axis=1))
-        m = first == window_step
-        acc["window"].append(np.stack([node[m], sh[m]], axis=1))
+        acc["node_group_reads"] += np.bincount(node * groups + group,
+                                               minlength=cfg.nodes * groups)
+        rw = np.unique((rank * w + step % w) * s + shard)
+        key, first, last = _pairs(node * s + shard, step)
+        if disjoint:
+            acc["rw_pairs"] += len(rw)
+            _add_pairs(cfg, man, acc, key, first, last, keep_arr, window_step)
+        else:
+            rw_keys.append(rw)
+            pairs.append((key, first, last))
+    if not disjoint:
+        acc["rw_pairs"] = len(np.unique(np.concatenate(rw_keys))) if rw_keys else 0
+        if pairs:
+            key, first, last = (np.concatenate(x) for x in zip(*pairs))
+            k = np.lexsort((first, key))
+            key, first, last = key[k], first[k], last[k]
+            lo = np.flatnonzero(np.concatenate([[True], np.diff(key) != 0]))
+            key, first, last = key[lo], first[lo], np.maximum.reduceat(last, lo)
+            _add_pairs(cfg, man, acc, key, first, last, keep_arr, window_step)
+            acc["node_foreign_shards"] = foreign_shards(cfg, order, acc, key)
     for name, cols in (("kept", 4), ("window", 2)):
         acc[name] = np.concatenate(acc[name]) if acc[name] else np.zeros((0, cols), np.int64)
     acc["step_ost_bytes"] = acc["step_ost_bytes"].reshape(steps, o)
+    acc["node_group_reads"] = acc["node_group_reads"].reshape(cfg.nodes, groups)
     acc.update(plan=plan, total=total, steps=steps)
     return acc
+
+
+def foreign_shards(cfg: Config, order: NodeAffineOrder, acc: dict[str, Any],
+                   key: np.ndarray) -> np.ndarray:
+    """Per node, the shards it stages outside its home groups (a group's home: the node that
+    reads most of its samples) from the distinct (node, shard) ``key``s of the epoch."""
+    s, groups = cfg.shards, order.canonical_nodes
+    home = acc["node_group_reads"].reshape(cfg.nodes, groups).argmax(axis=0)
+    home_keys = np.concatenate([home[g] * s + order.group_shards(g) for g in range(groups)])
+    foreign = ~np.isin(key, home_keys)
+    return np.bincount(key[foreign] // s, minlength=cfg.nodes)
+
+
+def _add_pairs(cfg: Config, man: Manifest, acc: dict[str, Any], key: np.ndarray,
+               first: np.ndarray, last: np.ndarray, keep_arr: np.ndarray,
+               window_step: int) -> None:
+    """Account distinct (node, shard) staging pairs (``key = node * shards + shard``) read from
+    step ``first`` to ``last``."""
+    s, o = cfg.shards, cfg.osts
+    steps = len(acc["step_ost_bytes"]) // o
+    node, sh = key // s, key % s
+    size, ost = man.sizes[sh], man.osts[sh]
+    acc["node_shards"] += np.bincount(node, minlength=cfg.nodes)
+    acc["node_bytes"] += np.rint(np.bincount(node, size, cfg.nodes)).astype(np.int64)
+    acc["ost_bytes"] += np.rint(np.bincount(ost, size, o)).astype(np.int64)
+    acc["step_ost_bytes"] += np.rint(np.bincount(first * o + ost, size, steps * o)).astype(
+        np.int64)
+    m = np.isin(node, keep_arr)
+    acc["kept"].append(np.stack([node[m], sh[m], first[m], last[m]], axis=1))
+    m = first == window_step
+    acc["window"].append(np.stack([node[m], sh[m]], axis=1))
 
 
 # --- figure groups -----------------------------------------------------------------------------
@@ -315,7 +404,7 @@ def sampled_nodes(cfg: Config) -> list[int]:
     return sorted({int(x) for x in np.linspace(0, cfg.nodes - 1, k).round()})
 
 
-def staging_figures(cfg: Config, man: Manifest, order: EpochOrder, acc: dict[str, Any],
+def staging_figures(cfg: Config, man: Manifest, order: Order, acc: dict[str, Any],
                     nodes: Sequence[int]) -> dict[str, Any]:
     rb = cfg.world * cfg.batch_size
     kept = acc["kept"]
@@ -355,7 +444,28 @@ def staging_figures(cfg: Config, man: Manifest, order: EpochOrder, acc: dict[str
             "samples_per_staged_shard": node_samples / max(float(ns.mean()), 1e-9),
             "shared_fs_shard_reads": reads, "dataset_shards": cfg.shards,
             "shared_fs_bytes": fs_bytes, "dataset_bytes": dataset,
-            "read_amplification": fs_bytes / dataset}
+            "read_amplification": fs_bytes / dataset,
+            **({"locality": locality_figures(order, acc)}
+               if isinstance(order, NodeAffineOrder) else {})}
+
+
+def locality_figures(order: NodeAffineOrder, acc: dict[str, Any]) -> dict[str, Any]:
+    """Reads of each node outside its home groups (those it reads most of): exact."""
+    ngr = acc["node_group_reads"]
+    home = ngr.argmax(axis=0)
+    local = np.bincount(home, ngr[home, np.arange(ngr.shape[1])], ngr.shape[0])
+    reads = ngr.sum(axis=1)
+    cross = reads - local.astype(np.int64)
+    frac = np.divide(local, reads, out=np.ones(len(reads)), where=reads > 0)
+    return {"canonical_nodes": order.canonical_nodes, "slice_size": order.slice_size,
+            "group_samples": _spread(order.group_sizes),
+            "cross_node_reads": int(cross.sum()),
+            "cross_node_read_fraction": float(cross.sum() / max(int(reads.sum()), 1)),
+            "cross_node_reads_per_node": _spread(cross),
+            "min_node_local_fraction": float(frac.min()),
+            "nodes_with_cross_reads": int((cross > 0).sum()),
+            "foreign_shards_per_node": _spread(acc["node_foreign_shards"]),
+            "foreign_shard_copies": int(acc["node_foreign_shards"].sum())}
 
 
 def _spread(x: np.ndarray) -> dict[str, float]:
@@ -436,7 +546,9 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     order = make_order(cfg, man.counts)
     plan = make_plan(cfg, len(order))
     window_step = cfg.window_step
-    if window_step is None:  # the step where the middle shuffle block begins: most first reads
+    if window_step is None and isinstance(order, NodeAffineOrder):
+        window_step = 0  # a node first reads nearly all of its group's shards in step 0
+    elif window_step is None:  # the step where the middle shuffle block begins: most first reads
         mid = int(order.block_start[len(order.block_shards) // 2])
         window_step = min(mid // (cfg.world * cfg.batch_size), max(plan.num_batches - 1, 0))
     if not 0 <= window_step < max(plan.num_batches, 1):
@@ -444,7 +556,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     config = {"group": "config", **asdict(cfg), "world": cfg.world, "window_step": window_step}
     manifest = {"group": "manifest", "samples": len(order), "shards": cfg.shards,
                 "samples_per_shard": _spread(man.counts), "bytes_per_shard": _spread(man.sizes),
-                "dataset_bytes": int(man.sizes.sum()), "shuffle_blocks": len(order.block_shards)}
+                "dataset_bytes": int(man.sizes.sum()), "shuffle_blocks": num_blocks(order)}
     node = cfg.rank // cfg.ranks_per_node
     rank_m, batches = measure(lambda: plan_rank(cfg, man.counts), cfg.repeats)
     node_m, sched = measure(lambda: plan_node(cfg, man.counts, node), cfg.repeats)
@@ -510,7 +622,7 @@ def readable(groups: list[dict[str, Any]]) -> str:
     lines = [
         (f"{c['nodes']} nodes x {c['ranks_per_node']} ranks x {c['workers']} workers, "
          f"{c['samples']:,} samples in {c['shards']:,} shards on {c['osts']} OSTs, "
-         f"batch {c['batch_size']}, shuffle block {c['shuffle_block']:,}"),
+         f"batch {c['batch_size']}, shuffle block {c['shuffle_block']:,}, order {c['order']}"),
         (f"one rank: {g['rank_plan']['seconds']:.3f} s, {g['rank_plan']['peak_mb']:.1f} MB "
          f"(tracemalloc peak); node schedule: {g['node_schedule']['seconds']:.3f} s, "
          f"{g['node_schedule']['peak_mb']:.1f} MB"),
@@ -530,6 +642,15 @@ def readable(groups: list[dict[str, Any]]) -> str:
          f"{md['shardio_with_staging']:,} ({md['with_staging_vs_small_files']:.2f}x), without "
          f"{md['shardio_without_staging']:,} ({md['without_staging_vs_small_files']:.2f}x)"),
     ]
+    if "locality" in st:
+        lc = st["locality"]
+        lines.insert(4, (
+            f"node order: C={lc['canonical_nodes']}, U={lc['slice_size']}; cross-node reads "
+            f"{lc['cross_node_reads']:,} ({lc['cross_node_read_fraction']:.2%}) on "
+            f"{lc['nodes_with_cross_reads']} nodes, min node-local "
+            f"{lc['min_node_local_fraction']:.3f}; shards staged outside home groups: "
+            f"{lc['foreign_shard_copies']:,} (max {lc['foreign_shards_per_node']['max']} "
+            "per node)"))
     for name, t in s["targets"].items():
         lines.append(f"{t['status']:4}  {name} = {t['value']:.3f} (target {t['target']})")
     for name, ok in s["checks"].items():
@@ -550,6 +671,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, str | None]:
     p.add_argument("--spread", type=float, default=None, help=f"default {base.spread}")
     p.add_argument("--remainder", choices=("pad", "drop"), default=None)
     p.add_argument("--ost-layout", choices=("round-robin", "random"), default=None)
+    p.add_argument("--order", choices=ORDERS, default=None,
+                   help="epoch: EpochOrder (default); node: NodeAffineOrder for this job")
+    p.add_argument("--canonical-nodes", type=int, default=None,
+                   help="C of --order node (default the node count); U = ranks*batch/C")
     p.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON lines")
     a = p.parse_args(argv)
     changes = {k: v for k, v in vars(a).items() if k not in ("small", "json_out") and v is not None}
