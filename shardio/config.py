@@ -215,6 +215,16 @@ class ReadOptions:
         cache_reserve: free space always left on the cache filesystem.
         stage_bandwidth: cap on the stager's reads from the shared filesystem (bytes/s).
         stage_lookahead: epochs beyond the current one the stager prepares.
+        order: ``"global"`` (default): one block-shuffled order over the whole dataset,
+            independent of the job's size.  ``"node"``: node-affine
+            (:class:`~shardio.order.NodeAffineOrder`): every epoch the shards are dealt to
+            ``canonical_nodes`` groups and each node reads its own group, so node-local staging
+            copies each shard to one node instead of every node reading a sample of nearly every
+            shard (use it with ``cache_dir`` on many nodes).  A batch then mixes samples from
+            1/C of the dataset per epoch.
+        canonical_nodes: C for ``order="node"`` (default: the job's node count when first
+            iterated; kept in ``state_dict`` so a resumed job of another size continues the
+            same order).
     """
 
     shuffle: bool = True
@@ -237,9 +247,15 @@ class ReadOptions:
     cache_reserve: int | str = "1GiB"
     stage_bandwidth: int | str | None = None
     stage_lookahead: int = 1
+    order: str = "global"
+    canonical_nodes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "read_block", parse_size(self.read_block))
+        if self.order not in ("global", "node"):
+            raise UsageError(f"order must be 'global' or 'node', got {self.order!r}")
+        if self.canonical_nodes is not None and self.canonical_nodes < 1:
+            raise UsageError(f"canonical_nodes must be >= 1, got {self.canonical_nodes}")
         if isinstance(self.replicas, (str, bytes)):
             raise UsageError("replicas must be a list of directories, not one string")
         object.__setattr__(self, "replicas", tuple(str(r) for r in self.replicas))

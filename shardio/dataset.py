@@ -21,7 +21,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .config import ReadOptions
 from .decode import decode_sample
 from .errors import UsageError
-from .order import EpochOrder, NodeSchedule, RankPlan, node_schedule
+from .order import EpochOrder, NodeAffineOrder, NodeSchedule, RankPlan, node_schedule
 from .reader import DatasetReader
 from .topology import Topology
 
@@ -81,6 +81,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self.cache = self._node_cache()
         self.reader.ladder.cache = self.cache
         self._stager: Any = None
+        self._node_order: tuple[int, int, int] | None = None
         # Epoch and resume cursor live in a tiny shared array so that DataLoader workers kept
         # alive across epochs (persistent_workers=True) see set_epoch()/load_state_dict().
         self._shared = multiprocessing.RawArray("q", 2)
@@ -139,11 +140,36 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self.epoch = int(epoch)
         self._start_staging(self.epoch)
 
-    def _order(self) -> EpochOrder:
-        counts = np.diff(self.reader.offsets)
+    def _order(self, epoch: int | None = None, batch_size: int | None = None) -> Any:
+        """The order of ``epoch`` (default: the current one): an :class:`EpochOrder`, or with
+        ``order="node"`` a :class:`NodeAffineOrder` whose parameters are fixed on first use."""
         o = self.options
-        return EpochOrder(counts, seed=o.seed, epoch=self.epoch, shuffle=o.shuffle,
-                          shuffle_block=o.shuffle_block)
+        epoch = self.epoch if epoch is None else epoch
+        counts = np.diff(self.reader.offsets)
+        if o.order == "global":
+            return EpochOrder(counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle,
+                              shuffle_block=o.shuffle_block)
+        c, u, q = self._node_params(batch_size or o.batch_size)
+        return NodeAffineOrder(counts, seed=o.seed, epoch=epoch, canonical_nodes=c,
+                               slice_size=u, canonical_ranks=q, remainder=o.remainder,
+                               shuffle=o.shuffle, shuffle_block=o.shuffle_block)
+
+    def _node_params(self, batch_size: int) -> tuple[int, int, int]:
+        """(C, U, q) of the node-affine order: from a loaded state, else from this job."""
+        if self._node_order is None:
+            topo = self.topology
+            probe = NodeAffineOrder.for_job(
+                np.ones(1, np.int64), world_size=topo.world_size,
+                local_world_size=topo.local_world_size, batch_size=batch_size,
+                canonical_nodes=self.options.canonical_nodes, remainder=self.options.remainder)
+            self._node_order = (probe.canonical_nodes, probe.slice_size, probe.canonical_ranks)
+        return self._node_order
+
+    def _order_state(self) -> dict[str, Any]:
+        if self.options.order == "global":
+            return {"kind": "global"}
+        c, u, q = self._node_params(self.options.batch_size)
+        return {"kind": "node", "canonical_nodes": c, "slice_size": u, "canonical_ranks": q}
 
     # --- iteration ---------------------------------------------------------------------------
     def _prepare(self, sample: dict[str, Any]) -> Any:
@@ -219,8 +245,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
     def schedule(self, epoch: int, batch_size: int | None = None) -> NodeSchedule:
         """When this rank's node reads each shard in ``epoch`` (what the stager works from)."""
         topo, o = self.topology, self.options
-        order = EpochOrder(np.diff(self.reader.offsets), seed=o.seed, epoch=epoch,
-                           shuffle=o.shuffle, shuffle_block=o.shuffle_block)
+        order = self._order(epoch, batch_size)
         return node_schedule(order, world_size=topo.world_size,
                              local_world_size=topo.local_world_size, node=topo.node,
                              batch_size=batch_size or o.batch_size, remainder=o.remainder)
@@ -307,6 +332,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             "seed": self.options.seed,
             "shuffle": self.options.shuffle,
             "shuffle_block": self.options.shuffle_block,
+            "order": self._order_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -330,6 +356,17 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 f"state was taken with seed/shuffle/shuffle_block {theirs}, this dataset uses "
                 f"{mine}; construct the dataset with the same values to resume"
             )
+        theirs_order = state.get("order", {"kind": "global"})
+        if theirs_order["kind"] != o.order:
+            raise UsageError(
+                f"state was taken with order={theirs_order['kind']!r}, this dataset uses "
+                f"order={o.order!r}; construct the dataset with the same order to resume")
+        if o.order == "node":
+            # The same global order as before, whatever this job's size: locality is kept when
+            # the topology matches C, correctness always.
+            self._node_order = (int(theirs_order["canonical_nodes"]),
+                                int(theirs_order["slice_size"]),
+                                int(theirs_order["canonical_ranks"]))
         self.epoch = int(state["epoch"])
         self._cursor = int(state["cursor"])
         self._delivered = 0

@@ -31,7 +31,7 @@ from ._tree import plan_collate, plan_tree, read_header, read_tree
 from .config import LoaderOptions
 from .dataset import ShardDataset
 from .errors import UsageError, WorkerCrashedError
-from .order import EpochOrder, RankPlan
+from .order import RankPlan
 from .pool import PoolOptions, WorkerPool
 from .stats import LoaderStats
 from .topology import discover_cpus
@@ -57,7 +57,7 @@ class _Job:
     def __init__(self, dataset: ShardDataset, collate_fn: Callable[[list[Any]], Any] | None) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
-        self.order: EpochOrder | None = None
+        self.order: Any = None
         self.plan: RankPlan | None = None
         self.cursor = 0
         self.report = True  # tell the node's stager where this reader is
@@ -68,8 +68,9 @@ class _Job:
         ds = self.dataset
         o = ds.options
         self.cursor = spec["cursor"]
-        self.order = EpochOrder(np.diff(ds.reader.offsets), seed=o.seed, epoch=spec["epoch"],
-                                shuffle=o.shuffle, shuffle_block=o.shuffle_block)
+        if spec.get("node_order"):
+            ds._node_order = tuple(spec["node_order"])
+        self.order = ds._order(spec["epoch"], spec["batch_size"])
         self.plan = RankPlan(ds.num_samples - self.cursor, spec["world_size"], spec["rank"],
                              spec["batch_size"], o.remainder)
         self.stride = spec.get("stride", 1)
@@ -354,7 +355,9 @@ class ShardLoader:
         plan = self._plan()
         steps = range(self._num_steps(plan))
         spec = {"epoch": ds.epoch, "cursor": ds._cursor, "world_size": topo.world_size,
-                "rank": topo.rank, "batch_size": self.batch_size, "stride": pool.num_workers}
+                "rank": topo.rank, "batch_size": self.batch_size, "stride": pool.num_workers,
+                "node_order": (ds._node_params(self.batch_size)
+                               if ds.options.order == "node" else None)}
         self._delivered = 0
         self._finished = False
         self._stats.begin_epoch()
