@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import shardio
-from shardio import Manifest, PackOptions, Topology, pack
+from shardio import PackOptions, Topology, pack
 from shardio.errors import UsageError
 
 
@@ -25,7 +25,6 @@ def topo(rank: int, world: int, local: int) -> Topology:
 
 
 def shard_of(root: Path) -> dict[str, int]:
-    m = Manifest.load(root)
     from shardio.reader import DatasetReader
 
     with DatasetReader(root) as r:
