@@ -99,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     sg.add_argument("--batch-size", type=int, default=1, help="the training job's batch size")
     sg.add_argument("--no-shuffle", action="store_true")
     sg.add_argument("--shuffle-block", type=int, default=1 << 18)
+    sg.add_argument("--order", default="global", choices=["global", "node"],
+                    help="the training job's ReadOptions.order")
+    sg.add_argument("--canonical-nodes", type=int, default=None,
+                    help="the training job's canonical_nodes (order=node; default: node count)")
     sg.add_argument("--world-size", type=int, default=None,
                     help="ranks of the training job (default: from Slurm/torchrun variables)")
     sg.add_argument("--ranks-per-node", type=int, default=None)
@@ -285,7 +289,7 @@ def _cmd_stage(a: argparse.Namespace) -> int:
     import numpy as np
 
     from .manifest import Manifest
-    from .order import EpochOrder, node_schedule
+    from .order import EpochOrder, NodeAffineOrder, node_schedule
     from .stage import NodeCache, Stager, StageOptions
     from .topology import Topology
 
@@ -305,8 +309,14 @@ def _cmd_stage(a: argparse.Namespace) -> int:
     counts = np.array([s.samples for s in manifest.shards], dtype=np.int64)
 
     def schedule(epoch: int):  # type: ignore[no-untyped-def]
-        order = EpochOrder(counts, seed=a.seed, epoch=epoch, shuffle=not a.no_shuffle,
-                           shuffle_block=a.shuffle_block)
+        if a.order == "node":
+            order = NodeAffineOrder.for_job(
+                counts, world_size=world, local_world_size=local, batch_size=a.batch_size,
+                canonical_nodes=a.canonical_nodes, seed=a.seed, epoch=epoch,
+                shuffle=not a.no_shuffle, shuffle_block=a.shuffle_block)
+        else:
+            order = EpochOrder(counts, seed=a.seed, epoch=epoch, shuffle=not a.no_shuffle,
+                               shuffle_block=a.shuffle_block)
         return node_schedule(order, world_size=world, local_world_size=local, node=node,
                              batch_size=a.batch_size)
 

@@ -97,3 +97,20 @@ def test_bad_order_options() -> None:
         shardio.ReadOptions(order="random")
     with pytest.raises(UsageError, match="canonical_nodes"):
         shardio.ReadOptions(order="node", canonical_nodes=0)
+
+
+def test_stage_command_with_node_order(data: Path, tmp_path: Path, cli) -> None:
+    cache = tmp_path / "nvme"
+    cache.mkdir()
+    rc, out, err = cli("stage", data, "--cache", cache, "--epochs", "0", "--reserve", "0",
+                       "--seed", "4", "--batch-size", "3", "--order", "node",
+                       "--world-size", "4", "--ranks-per-node", "2", "--node", "0")
+    assert rc == 0, err
+    ds = shardio.ShardDataset(data, seed=4, batch_size=3, order="node", topology=topo(0, 4, 2),
+                              cache_dir=str(cache), cache_reserve=0)
+    before = ds.io_stats()["repair"]["bytes_original"]
+    assert len([s for s in ds]) == 15
+    assert ds.io_stats()["repair"]["bytes_original"] == before == 0  # all from the node cache
+    copied = int(out.split("copied ")[1].split(" ")[0])
+    assert 0 < copied <= 11
+    ds._stager.stop()
