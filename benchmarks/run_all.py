@@ -188,6 +188,13 @@ def load_runs(results_dir: Path) -> dict[str, Any]:
     return data
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default.  Started from a background shell
+    (``nohup ... &``) it would be ignored, Python would install no KeyboardInterrupt handler, and
+    _stop's SIGINT could not make the script clean up."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     """End the child's whole process group: SIGINT (its ``finally`` removes its temporary tree),
     then SIGTERM, then SIGKILL, each after a bounded wait."""
@@ -250,7 +257,8 @@ def run_bench(bench: Bench, out: Path, *, quick: bool, workdir: str | None = Non
     with open(log, "wb") as f:
         # A session of its own, so that a timeout ends the script's workers and children too.
         proc = subprocess.Popen(cmd, cwd=str(ROOT), stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_default_sigint)
         try:
             rc: int | None = proc.wait(timeout=limit)
             status = "ok" if rc == 0 else "failed"

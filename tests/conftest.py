@@ -82,6 +82,14 @@ def flip_bit(path: str | os.PathLike[str], offset: int, bit: int = 0) -> None:
         f.write(bytes([b[0] ^ (1 << bit)]))
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` for a child a test will Ctrl-C: a shell starting CI in the background
+    leaves SIGINT ignored, and Python then never installs its KeyboardInterrupt handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def truncate(path: str | os.PathLike[str], size: int) -> None:
     """Cut a file to ``size`` bytes."""
     os.truncate(path, size)

@@ -42,6 +42,7 @@ from shardio.errors import (
     UsageError,
 )
 from shardio.manifest import Manifest
+from tests.conftest import default_sigint
 
 ROOT = Path(__file__).resolve().parent.parent
 TMP_MARK = ".shardio-tmp"
@@ -378,7 +379,7 @@ def _interrupt(cmd_args: list[str], out: Path, sig: int, min_shards: int = 20,
     """Start a pack, wait until ``min_shards`` shards are published, send ``sig``, reap it."""
     cmd = [sys.executable, *cmd_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env=_env())
+                            cwd=ROOT, env=_env(), preexec_fn=default_sigint)
     stdout, err, reaped = "", "", False
     try:
         end = time.monotonic() + deadline

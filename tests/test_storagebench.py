@@ -21,6 +21,7 @@ import pytest
 import shardio.lustre
 from shardio import storagebench as sb
 from shardio.errors import UsageError
+from tests.conftest import default_sigint
 from tests.fake_lfs import EXT4_MAGIC, LL_SUPER_MAGIC, FakeProbe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,7 +140,8 @@ def test_interrupted_run_removes_its_directory(tmp_path: Path, sig: int) -> None
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(tmp_path), "--budget", "64MiB",
          "--time-limit", "60", "--io-sizes", "64KiB,1MiB", "--threads", "1,2"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 20
         while not leftovers(tmp_path):
