@@ -56,6 +56,19 @@ def _words(seed: int) -> tuple[int, int, int]:
     return sign, s & 0xFFFFFFFF, s >> 32
 
 
+def _shard_permutation(counts: np.ndarray, seed: int, epoch: int, shuffle: bool
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(counts as int64, sample offsets per shard, the epoch's shard permutation): the first
+    step of every order, the same generator for all of them."""
+    counts = np.asarray(counts, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    if shuffle:
+        perm = np.random.default_rng([*_words(seed), epoch, 0x5EED]).permutation(len(counts))
+    else:
+        perm = np.arange(len(counts))
+    return counts, offsets, perm
+
+
 @dataclass
 class EpochOrder:
     """The global sample order of one epoch (global sample ids in manifest order).
@@ -78,14 +91,9 @@ class EpochOrder:
     def __post_init__(self) -> None:
         if self.shuffle_block < 1:
             raise UsageError(f"shuffle_block must be >= 1, got {self.shuffle_block}")
-        counts = np.asarray(self.counts, dtype=np.int64)
+        counts, self.offsets, perm = _shard_permutation(self.counts, self.seed, self.epoch,
+                                                        self.shuffle)
         self.counts = counts
-        self.offsets = np.concatenate([[0], np.cumsum(counts)])
-        if self.shuffle:
-            rng = np.random.default_rng([*_words(self.seed), self.epoch, 0x5EED])
-            perm = rng.permutation(len(counts))
-        else:
-            perm = np.arange(len(counts))
         starts = np.concatenate([[0], np.cumsum(counts[perm])[:-1]]) if len(counts) else counts
         # Blocks also without shuffle (same manifest order), so memory stays bounded by one block.
         block_of = starts // self.shuffle_block
@@ -227,14 +235,9 @@ class NodeAffineOrder:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.remainder not in REMAINDER:
             raise UsageError(f"remainder must be one of {REMAINDER}, got {self.remainder!r}")
-        counts = np.asarray(self.counts, dtype=np.int64)
+        counts, self.offsets, perm = _shard_permutation(self.counts, self.seed, self.epoch,
+                                                        self.shuffle)
         self.counts = counts
-        self.offsets = np.concatenate([[0], np.cumsum(counts)])
-        if self.shuffle:
-            rng = np.random.default_rng([*_words(self.seed), self.epoch, 0x5EED])
-            perm = rng.permutation(len(counts))
-        else:
-            perm = np.arange(len(counts))
         self._perm = perm
         cum = np.concatenate([[0], np.cumsum(counts[perm])]).astype(np.int64)
         self._cum = cum  # dealing-stream position of each permuted shard's first sample
