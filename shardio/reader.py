@@ -133,6 +133,8 @@ class DatasetReader:
                 self.ladder.failed(i, copy, exc)
                 continue
             self._readers[i] = (copy, reader)
+            if copy.kind != "original":
+                self.ladder.recovered(i, copy)  # restores a bad original when allowed
             while len(self._readers) > self.max_open_shards:
                 j, (_, old) = self._readers.popitem(last=False)
                 old.close()

@@ -191,3 +191,14 @@ def test_unrepairable_offline_exits_1(data, cli) -> None:
     rc, out, _err = cli("repair", root)
     assert rc == 1
     assert "NOT repaired shard-000002.tar" in out
+
+
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_quarantine_restores_an_original_that_fails_to_open(data, how: str) -> None:
+    root, replica, clean = data
+    corrupt_dataset(str(root), [4], how)
+    ds = shardio.ShardDataset(root, seed=2, replicas=[str(replica)], quarantine=True)
+    assert sorted(epoch(ds)) == sorted(clean)
+    c = ds.reader.counters.snapshot()
+    assert c["originals_restored"] == 1
+    assert verify_dataset(str(root)) == []
