@@ -1,6 +1,6 @@
 """Staging benchmark: a slow shared store against a node-local cache, same run, same data.
 
-``python benchmarks/bench_stage.py`` generates an ImageFolder tree (default 8,000 JPEGs of 5-40 KB,
+``python benchmarks/bench_stage.py`` generates an ImageFolder tree (default 16,000 JPEGs of 5-40 KB,
 :func:`tools.make_dataset.make_images`), packs it into tar shards of about 4 MB (``shardio.pack``)
 under ``WORK/shared/`` and copies the dataset to ``WORK/local/``.  The *shared store* is
 simulated: every read shardio makes under ``WORK/shared/`` sleeps ``--latency`` seconds plus
@@ -22,8 +22,8 @@ Per epoch and contender: samples/s, and the bytes read from the shared store: di
 the loader's workers (``stats()["repair"]["bytes_original"]``) plus the stager's copies
 (``stats()["stage"]["bytes_staged"]``), as a multiple of the dataset's size (shards + indexes).
 
-Targets (issue 5): from the second epoch on, staged throughput >= 0.9x local (medians over the
-epochs after the first, each of which lasts only ~0.1 s here); shared-store bytes
+Targets (issue 5): from the second epoch on, staged throughput >= 0.9x local (samples/s over all
+the epochs after the first together, each of which lasts only ~0.1 s here); shared-store bytes
 per epoch reported, at most one pass over the dataset per node per epoch.  Output: JSON lines
 (one per contender and epoch, then a summary); stderr: a table.  ``--quick`` (1,500 files, 2
 epochs) is a smoke test whose numbers mean little.
@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,10 +47,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import add_output_args, dist_version, emit  # noqa: E402
+from benchmarks._common import add_output_args, dist_version, emit
 
 QUICK = {"files": 1500, "classes": 10, "epochs": 2, "shard_size": "1MB"}
-DEFAULTS = {"files": 8000, "classes": 50, "epochs": 6, "shard_size": "4MB"}
+DEFAULTS = {"files": 16000, "classes": 50, "epochs": 6, "shard_size": "4MB"}
 SHARED_EPOCHS = 2  # the unstaged slow store is flat from epoch to epoch: two epochs show it
 CONTENDERS = ("local", "shared", "staged")
 BATCH, WORKERS = 64, 2
@@ -130,12 +129,14 @@ def summarize(rows: list[dict[str, Any]], info: dict[str, Any]) -> dict[str, Any
     epochs = sorted({r["epoch"] for r in rows if r["contender"] == "staged"})
     later = [e for e in epochs if e >= 1]
     ratios = [by["staged", e]["samples_per_s"] / by["local", e]["samples_per_s"] for e in later]
-    median = statistics.median
 
-    def med(who: str) -> float:
-        return median(by[who, e]["samples_per_s"] for e in later if (who, e) in by)
+    def rate(who: str) -> float:
+        """Samples/s over all epochs after the first together: one epoch lasts ~0.1 s here, so
+        single epochs are noisy."""
+        rows_ = [by[who, e] for e in later if (who, e) in by]
+        return sum(r["samples"] for r in rows_) / max(sum(r["seconds"] for r in rows_), 1e-9)
 
-    ratio = med("staged") / med("local") if later else 0.0
+    ratio = rate("staged") / rate("local") if later else 0.0
     passes = {c: [round((by[c, e]["shared_bytes_direct"] + by[c, e]["shared_bytes_staged"])
                         / size, 3) for e in epochs if (c, e) in by] for c in ("shared", "staged")}
     total_staged = sum((by["staged", e]["shared_bytes_direct"]
@@ -144,9 +145,9 @@ def summarize(rows: list[dict[str, Any]], info: dict[str, Any]) -> dict[str, Any
         "summary": True,
         **info,
         "staged_vs_local_from_epoch_2": [round(x, 3) for x in ratios],
-        "staged_vs_local_median_from_epoch_2": round(ratio, 3),
+        "staged_vs_local_from_epoch_2_overall": round(ratio, 3),
         "staged_vs_local_target": TARGET_STAGED_VS_LOCAL,
-        # Epochs after the first last ~0.1 s here, so single epochs are noisy: judge the medians.
+        # Epochs after the first last ~0.1 s here, so single epochs are noisy: judge them together.
         "staged_vs_local_pass": bool(later) and ratio >= TARGET_STAGED_VS_LOCAL,
         "shared_vs_local_from_epoch_2": [round(by["shared", e]["samples_per_s"]
                                                / by["local", e]["samples_per_s"], 3)
@@ -166,8 +167,8 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
         shared = r["shared_bytes_direct"] + r["shared_bytes_staged"]
         lines.append(f"{r['contender']:<8} {r['epoch']:>5} {r['samples_per_s']:>10.0f} "
                      f"{shared / 1e6:>10.1f} {shared / size:>7.2f}")
-    lines.append(f"staged/local from epoch 2: {summary['staged_vs_local_from_epoch_2']}, median "
-                 f"{summary['staged_vs_local_median_from_epoch_2']} "
+    lines.append(f"staged/local from epoch 2: {summary['staged_vs_local_from_epoch_2']}, overall "
+                 f"{summary['staged_vs_local_from_epoch_2_overall']} "
                  f"(target >= {TARGET_STAGED_VS_LOCAL}: "
                  f"{'PASS' if summary['staged_vs_local_pass'] else 'MISS'}); "
                  f"shared/local: {summary['shared_vs_local_from_epoch_2']}")

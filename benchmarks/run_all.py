@@ -745,7 +745,7 @@ def stage_section(res: Results, plotter: Plotter) -> Section:
                          "epoch", series, log=True)
     lines += _plot_ref(plot, "stage samples/s per epoch", plotter)
     lines += _figures("Ratios", {k: s[k] for k in (
-        "staged_vs_local_from_epoch_2", "staged_vs_local_median_from_epoch_2",
+        "staged_vs_local_from_epoch_2", "staged_vs_local_from_epoch_2_overall",
         "shared_vs_local_from_epoch_2", "shared_store_passes_per_epoch", "staged_passes_over_all_epochs") if s and k in s})
     target = _get(s, "staged_vs_local_target")
     tname = f"staged_ge_{fmt(target) if target is not None else '0.9'}x_local_from_epoch_2"

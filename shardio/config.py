@@ -196,7 +196,9 @@ class ReadOptions:
         verify: check the per-field checksum of every sample read.
         allow_pickle: let ``decode=True`` unpickle ``pickle``/``pyd`` fields (untrusted code).
         image_mode: Pillow mode images decode to (``"RGB"``, ``"L"``, ...).
-        max_open_shards: shard readers (descriptor + index) kept open per process.
+        max_open_shards: shard readers (descriptor + index) kept open per process.  A shuffle
+            block spans about ``shuffle_block / samples per shard`` shards read in random order:
+            keep this above that, or shards are reopened (a stat and an index load) all epoch.
         prefetch_shards: upcoming shards a reader asks the kernel to read ahead
             (``POSIX_FADV_WILLNEED``), chosen from distinct Lustre OSTs where possible; 0: off.
         read_block: size of coalesced sequential reads (raised to a multiple of the Lustre
@@ -236,7 +238,7 @@ class ReadOptions:
     verify: bool = True
     allow_pickle: bool = False
     image_mode: str = "RGB"
-    max_open_shards: int = 64
+    max_open_shards: int = 256
     prefetch_shards: int = 4
     read_block: int | str = 8 << 20
     replicas: tuple[str, ...] = ()

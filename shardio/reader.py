@@ -75,7 +75,7 @@ class DatasetReader:
     """
 
     def __init__(self, root: str | os.PathLike[str], *, verify: bool = True,
-                 max_open_shards: int = 64, cache: Any = None, replicas: Sequence[str] = (),
+                 max_open_shards: int = 256, cache: Any = None, replicas: Sequence[str] = (),
                  quarantine: bool = False, on_corrupt: str = "raise",
                  read_block: int = 8 << 20) -> None:
         self.root = os.fspath(root)
@@ -339,7 +339,7 @@ class DatasetReader:
 
 
 def open_dataset(root: str | os.PathLike[str], *, verify: bool = True,
-                 max_open_shards: int = 64, replicas: Sequence[str] = (),
+                 max_open_shards: int = 256, replicas: Sequence[str] = (),
                  quarantine: bool = False, on_corrupt: str = "raise") -> DatasetReader:
     """Open a packed dataset for random access; see :class:`DatasetReader`."""
     return DatasetReader(root, verify=verify, max_open_shards=max_open_shards,
