@@ -41,7 +41,7 @@ _LAZY = {
     "describe": ("shardio.summary", "describe"),
     "errors": ("shardio.errors", None),
     "index_tars": ("shardio.indexer", "index_tars"),
-    "merge": ("shardio.packer", "merge"),
+    "merge": ("shardio.parts", "merge"),
     "open_dataset": ("shardio.reader", "open_dataset"),
     "pack": ("shardio.packer", "pack"),
     "verify_dataset": ("shardio.verify", "verify_dataset"),

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .packer import PartResult
+    from .parts import PartResult
 
 __all__ = ["main"]
 
@@ -202,7 +202,7 @@ def _print_part(r: PartResult, dt: float, as_json: bool) -> int:
 
 
 def _cmd_merge(a: argparse.Namespace) -> int:
-    from .packer import merge
+    from .parts import merge
 
     m = merge(a.out, verify=a.verify)
     st = m.stats

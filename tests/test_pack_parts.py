@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import shardio
-from shardio import packer
+from shardio import parts
 from shardio.errors import (
     ManifestError,
     ManifestNotFoundError,
@@ -36,7 +36,7 @@ from shardio.errors import (
     ShardNotFoundError,
 )
 from shardio.manifest import Manifest
-from shardio.packer import PartResult, split_plan
+from shardio.parts import PartResult, split_plan
 from tests.test_pack import ROOT, _env, _show, random_tree, temp_files, write_files
 
 Cli = Callable[..., tuple[int, str, str]]
@@ -264,7 +264,7 @@ def test_merge_refuses_gap_in_shard_ranges(three_parts: tuple[Path, Path]) -> No
     del doc["record_digest"]
     doc["first"] += 1
     doc["shards"] = doc["shards"][1:]
-    path.write_bytes(packer._record_bytes(doc))  # a consistent, signed, but wrong record
+    path.write_bytes(parts._record_bytes(doc))  # a consistent, signed, but wrong record
     with pytest.raises(ManifestError, match=r"part 1 of 3 .* \(a gap\)"):
         shardio.merge(out)
     path.write_text(path.read_text().replace('"first": ', '"first": 1'))  # edited by hand
