@@ -6,7 +6,7 @@ under ``WORK/shared/`` and copies the dataset to ``WORK/local/``.  The *shared s
 simulated: every read shardio makes under ``WORK/shared/`` sleeps ``--latency`` seconds plus
 ``bytes / --bandwidth`` (``SHARDIO_SLOW_READS``, :mod:`shardio._inject`; a per-process model of a
 loaded parallel filesystem, default 5 ms and 100 MB/s).  Each contender runs ``--epochs``
-epochs (default 6; the unstaged ``shared`` contender 2, its rate is flat) in a fresh child
+epochs (default 10; the unstaged ``shared`` contender 2, its rate is flat) in a fresh child
 process::
 
     local   ShardLoader(ShardDataset(WORK/local/ds))                         the target
@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:
 from benchmarks._common import add_output_args, dist_version, emit
 
 QUICK = {"files": 1500, "classes": 10, "epochs": 2, "shard_size": "1MB"}
-DEFAULTS = {"files": 16000, "classes": 50, "epochs": 6, "shard_size": "4MB"}
+DEFAULTS = {"files": 16000, "classes": 50, "epochs": 10, "shard_size": "4MB"}
 SHARED_EPOCHS = 2  # the unstaged slow store is flat from epoch to epoch: two epochs show it
 CONTENDERS = ("local", "shared", "staged")
 BATCH, WORKERS = 64, 2
