@@ -294,7 +294,7 @@ class DatasetReader:
         k = first
         while k < stop:
             try:
-                copy, reader = self._readers.get(s) or self._open(s)
+                _copy, reader = self._readers.get(s) or self._open(s)
             except (*FAULTS, UnrepairableError):
                 if self.ladder.on_corrupt == "raise":
                     raise
@@ -306,10 +306,8 @@ class DatasetReader:
                     yield sample
                     k += 1
             except FAULTS as exc:
-                self._fault(s, exc)
+                self._fault(s, exc)  # the next _open moves down the ladder (and restores)
                 continue
-            if copy.kind != "original":
-                self.ladder.recovered(s, copy)
 
     def iter_shard(self, i: int) -> Iterator[dict[str, Any]]:
         return self._read_run(i, 0, int(self.offsets[i + 1] - self.offsets[i]))

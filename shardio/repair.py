@@ -247,7 +247,6 @@ def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:
                 return
         except OSError:
             continue
-    from .formats.base import ShardIndex  # noqa: F401  (formats are L2)
     from .formats.tar import index_tar
 
     index, _ = index_tar(shard_path, ladder.manifest.checksum)
