@@ -17,6 +17,9 @@
  *                                         no longer held `expected` (EAGAIN) or on a signal (EINTR,
  *                                         after running Python signal handlers).
  *   futex_wake(buf, off, n=1) -> int      FUTEX_WAKE, returns how many sleepers were woken
+ *   buffer_offset(inner, outer) -> int    where inner's first byte lies in outer's buffer (both
+ *                                         contiguous); ValueError when it is not inside.  Not an
+ *                                         atomic: a fast pointer difference for shardio.sharedbytes
  *
  * `buf` is any C-contiguous buffer (mmap, memoryview, bytearray); it must be writable except for
  * the loads.  `off` is a byte offset; the word must lie inside the buffer and its address must be
@@ -201,6 +204,32 @@ fetch_add_u64(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
+buffer_offset(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer inner, outer;
+    if (check_nargs("buffer_offset", nargs, 2, 2) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &inner, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &outer, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&inner);
+        return NULL;
+    }
+    char *a = (char *)inner.buf, *b = (char *)outer.buf;
+    Py_ssize_t off = (Py_ssize_t)(a - b);
+    int inside = a >= b && off + inner.len <= outer.len;
+    PyBuffer_Release(&inner);
+    PyBuffer_Release(&outer);
+    if (!inside) {
+        PyErr_SetString(PyExc_ValueError, "buffer_offset: inner buffer is not inside outer");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(off);
+}
+
+static PyObject *
 fence(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_nargs("fence", nargs, 0, 0) < 0) {
@@ -320,6 +349,8 @@ static PyMethodDef atomics_methods[] = {
     {"fetch_add_u64", (PyCFunction)(void (*)(void))fetch_add_u64, METH_FASTCALL,
      "fetch_add_u64(buf, off, v) -> int\n\nSequentially consistent add to the u64 at off; returns "
      "the old value."},
+    {"buffer_offset", (PyCFunction)(void (*)(void))buffer_offset, METH_FASTCALL,
+     "buffer_offset(inner, outer) -> int\n\nByte offset of inner's buffer inside outer's."},
     {"fence", (PyCFunction)(void (*)(void))fence, METH_FASTCALL,
      "fence()\n\nSequentially consistent thread fence."},
     {"futex_wait", (PyCFunction)(void (*)(void))futex_wait, METH_FASTCALL,

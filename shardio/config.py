@@ -227,6 +227,12 @@ class ReadOptions:
         canonical_nodes: C for ``order="node"`` (default: the job's node count when first
             iterated; kept in ``state_dict`` so a resumed job of another size continues the
             same order).
+        zero_copy: read samples into shared-memory chunks and yield uncompressed fields of 4 KiB
+            or more as :class:`~shardio.sharedbytes.SharedBytes` (read-only ``uint8`` arrays
+            with the buffer protocol) instead of ``bytes``: under torch's DataLoader a batch
+            then reaches the training process as one shared-memory descriptor instead of being
+            pickled through a pipe (:mod:`shardio.sharedbytes`).  ``ShardLoader`` has its own
+            zero-copy path and ignores it.
     """
 
     shuffle: bool = True
@@ -251,6 +257,7 @@ class ReadOptions:
     stage_lookahead: int = 1
     order: str = "global"
     canonical_nodes: int | None = None
+    zero_copy: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "read_block", parse_size(self.read_block))

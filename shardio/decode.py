@@ -10,7 +10,7 @@ json jsn                           parsed JSON
 txt text                           ``str``
 npy                                ``numpy.ndarray`` (``allow_pickle=False``)
 pickle pyd pkl                     unpickled object, only with ``allow_pickle=True``
-anything else                      ``bytes`` unchanged
+anything else                      unchanged (``bytes``; ``SharedBytes`` with zero_copy)
 =================================  ======================================================
 
 Unpickling runs arbitrary code, so a pickle field without ``allow_pickle=True`` raises
@@ -32,6 +32,7 @@ __all__ = ["IMAGE_EXTENSIONS", "decode_field", "decode_sample"]
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "bmp", "webp", "gif", "tif", "tiff"})
 _INT = frozenset({"cls", "cls2", "index", "id"})
 _PICKLE = frozenset({"pickle", "pyd", "pkl"})
+_TEXTUAL = frozenset({"json", "jsn", "txt", "text"})
 
 
 def _image(data: bytes, mode: str) -> np.ndarray:
@@ -50,6 +51,8 @@ def decode_field(name: str, data: bytes, *, allow_pickle: bool = False,
     ext = name.rsplit(".", 1)[-1].lower()
     if ext in IMAGE_EXTENSIONS:
         return _image(data, image_mode)
+    if not isinstance(data, bytes) and (ext in _INT or ext in _TEXTUAL or ext in _PICKLE):
+        data = bytes(data)  # a SharedBytes view (zero_copy=True): parsers want bytes
     if ext in _INT:
         return int(data)
     if ext in ("json", "jsn"):

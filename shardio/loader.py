@@ -67,6 +67,8 @@ class _Job:
         # with main, and a worker that starts an epoch late (a restart) must not write them.
         ds = self.dataset
         o = ds.options
+        # The ring already carries batches without pickling them: fields stay plain bytes.
+        ds.reader.set_arena(None)
         self.cursor = spec["cursor"]
         if spec.get("node_order"):
             ds._node_order = tuple(spec["node_order"])

@@ -40,6 +40,8 @@ import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
+# numpy 2 imports numpy.random on first use: here, once, not in every forked DataLoader worker.
+import numpy.random
 
 from .errors import UsageError
 

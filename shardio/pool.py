@@ -47,6 +47,7 @@ Worker states: STARTING → IDLE ⇄ PRODUCING → STOPPED | DEAD (→ restarted
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -225,6 +226,10 @@ def _worker_main(job: BatchJob, ring: Ring, conn: Any, data: Any, gen: Any, want
     # step; their default action would kill the worker).
     for sig in (signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
+    # The cyclic GC would otherwise traverse every object inherited from main (~10^5 in a torch
+    # process): ~0.1 s per full collection, and a write to each object's header, so a copy of
+    # every page of main's heap.  Frozen, they are never traversed (nor collected) here.
+    gc.freeze()
     if cpus:
         try:
             os.sched_setaffinity(0, {cpus[index % len(cpus)]})

@@ -20,7 +20,7 @@ from .errors import (
     ShardTruncatedError,
     UnrepairableError,
 )
-from .formats import ShardIndex, ShardReader, load_index
+from .formats import ShardIndex, ShardReader, index_loader
 from .lustre import detect_fs, get_layout, read_block_size, spread_by_ost
 from .manifest import Manifest
 from .repair import FAULTS, Copy, CopyLadder
@@ -83,6 +83,7 @@ class DatasetReader:
         self.manifest = Manifest.load(self.root)
         self.verify = verify
         self.codec = load_codec(self.root, self.manifest)
+        self._load_index = index_loader(self.manifest.shard_format)
         counts = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(counts)])
         self.ladder = CopyLadder(self.root, self.manifest, cache=cache, replicas=replicas,
@@ -94,6 +95,14 @@ class DatasetReader:
         self._readers: OrderedDict[int, tuple[Copy, ShardReader]] = OrderedDict()
         self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
         self._advised: set[int] = set()
+        self.arena: Any = None
+
+    def set_arena(self, arena: Any) -> None:
+        """Read into ``arena`` (a :class:`shardio.sharedbytes.Arena`; ``None``: plain ``bytes``)
+        from now on: large uncompressed fields come out as views of its chunks."""
+        self.arena = arena
+        for _copy, reader in self._readers.values():
+            reader.arena = arena
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -132,6 +141,7 @@ class DatasetReader:
             except (*FAULTS, ParityError, MissingDependencyError) as exc:
                 self.ladder.failed(i, copy, exc)
                 continue
+            reader.arena = self.arena
             self._readers[i] = (copy, reader)
             if copy.kind != "original":
                 self.ladder.recovered(i, copy)  # restores a bad original when allowed
@@ -164,7 +174,7 @@ class DatasetReader:
         index = self._indexes.get(i)
         if index is None:
             self.counters.add("opens")
-            index = load_index(self.manifest.shard_format, path)
+            index = self._load_index(path)
             if len(index) != entry.samples:
                 raise ManifestCorruptError(
                     f"shard {path} indexes {len(index)} samples, the manifest says "
@@ -172,9 +182,8 @@ class DatasetReader:
                 )
             self._indexes[i] = index
         self.counters.add("opens")
-        counter, slot = self.counters, f"bytes_{kind}"
         return ShardReader(path, index, self.codec, self.verify, entry.bytes,
-                           read_block=self.read_block, on_read=lambda n: counter.add(slot, n),
+                           read_block=self.read_block, on_read=self.counters.adder(f"bytes_{kind}"),
                            advice=os.POSIX_FADV_SEQUENTIAL if kind != "cache" else None)
 
     def prefer_cache(self) -> int:

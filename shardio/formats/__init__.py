@@ -7,6 +7,7 @@ Each format provides a writer and an index loader; reading is shared (:class:`Sh
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..codec import Codec
@@ -34,6 +35,7 @@ __all__ = [
     "WrittenShard",
     "check_format",
     "create_shard_file",
+    "index_loader",
     "load_index",
     "open_writer",
     "shard_suffix",
@@ -79,10 +81,16 @@ def create_shard_file(path: str, layout: LayoutRequest | None) -> int:
 
 def load_index(fmt: str, path: str) -> ShardIndex:
     """Load the index of the shard at ``path`` (offsets absolute in the file)."""
+    return index_loader(fmt)(path)
+
+
+def index_loader(fmt: str) -> Callable[[str], ShardIndex]:
+    """The index-loading function of format ``fmt``, importing its module now: a reader calls
+    it before DataLoader workers fork, so they inherit the import instead of each repeating it."""
     if check_format(fmt) == "tar":
         from .tar import load_tar_index
 
-        return load_tar_index(path)
+        return load_tar_index
     from .hdf5 import load_hdf5_index
 
-    return load_hdf5_index(path)
+    return load_hdf5_index

@@ -370,6 +370,9 @@ class ShardReader:
         self.on_read = on_read
         self.advice = advice
         self._check = sample_checksum_fn(index.checksum)
+        # Zero-copy reads (:mod:`shardio.sharedbytes`): spans are read into the arena's chunks
+        # and large uncompressed fields are handed out as views of them.  Duck-typed here.
+        self.arena: Any = None
         self._hfd: int | None = None
         self._hpid = -1
         self._mv: tuple[memoryview, ...] | None = None
@@ -413,16 +416,38 @@ class ShardReader:
             data = os.pread(self._fd(), n, start)
         except OSError as exc:
             raise translate_oserror(exc, self.path, f"reading offset {start} of") from exc
-        if len(data) < n:
+        self._after_read(start, n, len(data))
+        return data
+
+    def _after_read(self, start: int, n: int, got: int) -> None:
+        if got < n:
             raise ShardTruncatedError(
-                f"shard {self.path}: short read at offset {start} ({len(data)} of {n} bytes); "
+                f"shard {self.path}: short read at offset {start} ({got} of {n} bytes); "
                 "the shard is truncated: restore it from a good copy"
             )
         if self.on_read is not None:
             self.on_read(n)
         if _inject.ACTIVE:
             _inject.delay(self.path, n)
-        return data
+
+    def _span(self, start: int, end: int) -> tuple[Any, Any, int]:
+        """Shard bytes ``[start, end)`` as ``(buffer, arena chunk or None, chunk offset)``: with
+        an arena, read straight into one of its chunks (one copy, no ``bytes`` object)."""
+        arena = self.arena
+        if arena is None or end <= start:
+            return self.read_span(start, end), None, 0
+        n = end - start
+        chunk, off, mv = arena.take(n)
+        fd = self._hfd if self._hpid == _PID[0] and self._hfd is not None else self._fd()
+        try:
+            got = os.preadv(fd, [mv], start)
+        except OSError as exc:
+            raise translate_oserror(exc, self.path, f"reading offset {start} of") from exc
+        if got < n or _inject.ACTIVE:
+            self._after_read(start, n, got)
+        elif self.on_read is not None:
+            self.on_read(n)
+        return mv, chunk, off
 
     def willneed(self) -> None:
         """Ask the kernel to start reading the whole shard in the background
@@ -452,32 +477,44 @@ class ShardReader:
                 idx.f_length, idx.f_raw_length, idx.f_checksum, lo, hi))
         return self._mv
 
-    def _decode(self, i: int, base: int, buf: bytes | memoryview) -> dict[str, Any]:
+    def _decode(self, i: int, base: int, buf: bytes | memoryview, chunk: Any = None,
+                coff: int = 0) -> dict[str, Any]:
         idx = self.index
         kof, sst, fname, fflags, foff, flen, fraw, fsum, _lo, _hi = self._views()
         key = idx.key_blob[kof[i] : kof[i + 1]].decode("utf-8")
         sample: dict[str, Any] = {"__key__": key}
-        mv = memoryview(buf)
+        mv = buf if type(buf) is memoryview else memoryview(buf)
         names = idx.field_names
+        check = self._check if self.verify else None
+        # Fields at least this large are cut from the arena chunk (never, without one).
+        big = self.arena.min_bytes if chunk is not None else 1 << 62
         for r in range(sst[i], sst[i + 1]):
             off = foff[r] - base
-            stored = mv[off : off + flen[r]]
+            n = flen[r]
+            stored = mv[off : off + n]
             name = names[fname[r]]
-            if self.verify:
-                found = self._check(stored)
+            if check is not None:
+                found = check(stored)
                 if found != fsum[r]:
                     raise ChecksumMismatchError(
                         self.path, key, name, foff[r], hex64(fsum[r]), hex64(found),
                     )
             flags = fflags[r]
-            sample[name] = bytes(stored) if not flags else self.codec.decode(stored, flags, fraw[r])
+            if flags:
+                sample[name] = self.codec.decode(stored, flags, fraw[r])
+            elif n >= big:
+                sample[name] = chunk[coff + off : coff + off + n]
+            else:
+                sample[name] = bytes(stored)
         return sample
 
     def get(self, i: int) -> dict[str, Any]:
         """Sample ``i`` with one ``pread`` and no bounds check (hot path of shuffled reads)."""
         v = self._views()
         start = v[8][i]
-        return self._decode(i, start, self.read_span(start, v[9][i]))
+        if self.arena is None:
+            return self._decode(i, start, self.read_span(start, v[9][i]))
+        return self._decode(i, start, *self._span(start, v[9][i]))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         """Sample ``i`` as ``{"__key__": key, field: bytes, ...}``.
@@ -489,7 +526,7 @@ class ShardReader:
         if not 0 <= i < len(self.index):
             raise IndexError(f"sample {i} out of range for shard {self.path} ({len(self)} samples)")
         start, end = self.index.span(i)
-        return self._decode(i, start, self.read_span(start, end))
+        return self._decode(i, start, *self._span(start, end))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Samples in shard order, read in large blocks rather than one read per sample."""
@@ -510,9 +547,9 @@ class ShardReader:
             while j < stop and lo[j] >= start and hi[j] <= limit:
                 end = max(end, int(hi[j]))
                 j += 1
-            buf = self.read_span(start, end)
+            buf, chunk, coff = self._span(start, end)
             for k in range(i, j):
-                yield self._decode(k, start, buf)
+                yield self._decode(k, start, buf, chunk, coff)
             i = j
 
     def __getstate__(self) -> dict[str, Any]:

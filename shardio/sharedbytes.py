@@ -1,0 +1,287 @@
+"""Zero-copy sample fields for torch's DataLoader: ``ShardDataset(zero_copy=True)``.
+
+Under ``torch.utils.data.DataLoader`` a worker hands every batch to the training process by
+pickling it into a pipe: a list of 256 JPEGs of 20 KB is copied four or five times (pickle
+buffer, pipe write, pipe read, unpickle) and costs the two processes ~40 µs of CPU per sample,
+more than reading it from the shard.  Tensors do not take that path: torch's reductions move
+their storage to shared memory and send a file descriptor.  This module lets raw fields ride
+the same way.
+
+* A reader with an :class:`Arena` reads each span of shard bytes (one sample, or a coalesced
+  run of samples) straight into a *chunk* of the arena with ``preadv``: one copy, page cache to
+  chunk.  Inside a DataLoader worker a chunk is a ``memfd`` (anonymous shared memory: it never
+  appears in ``/dev/shm``, is not limited by a small ``/dev/shm`` mount, and vanishes with the
+  last mapping, so a crash leaves nothing behind) wrapped as a torch storage.
+* Uncompressed fields of at least :data:`MIN_BYTES` bytes become read-only ``uint8`` numpy
+  arrays viewing the chunk (``bytes(x)``, ``io.BytesIO(x)``, ``np.frombuffer(x)``,
+  ``torch.frombuffer(x, dtype=torch.uint8)``, ``hashlib`` and Pillow through ``BytesIO`` all
+  take them).  Smaller fields (labels, short text) stay ``bytes``: pickling them is cheap.
+* A reducer registered with ``multiprocessing``'s ``ForkingPickler`` (the pickler of
+  DataLoader's queues, and only that one) sends such an array as ``(chunk, offset, length)``;
+  pickle sends a chunk shared by a whole batch once, as torch sends a tensor's storage, so a
+  batch crosses to the main process in a few hundred bytes of pickle plus one ``mmap``.  Any
+  other array pickles as numpy pickles it; so does a field pickled with plain ``pickle``.
+* The fields are plain ``ndarray`` objects, which the cyclic GC does not track (instances of any
+  ndarray subclass it does: 256 more tracked objects a batch bring a full collection of a torch
+  process, ~0.1 s, every few epochs).  They find their chunk through their ``base``, a
+  read-only view of it.
+* Chunks are recycled, because the first write to a fresh shared page costs more than the
+  read itself (allocate, zero, charge, map).  The first 64 bytes of a chunk hold three counters,
+  updated with atomic adds (:mod:`shardio._atomics`) by whichever process pickles or unpickles
+  it: ``sent`` (a message naming the chunk was pickled), ``arrived`` (one was unpickled) and
+  ``live`` (unpickled copies still referenced; a finalizer gives it back).  The owning worker
+  reuses a chunk once no field or span of it is alive there (a weak reference to the *lease*
+  they hold), ``arrived >= sent`` (nothing in a pipe) and ``live == 0``.  A message pickled and
+  never unpickled only pins its chunk until the worker exits.
+
+Memory stays bounded: a chunk lives while any field viewing it does, so at most the chunks of
+the batches in flight (``prefetch_factor x num_workers`` plus those the loop holds) are alive.
+Outside a worker (``num_workers=0``) chunks are private memory and fields pickle by copy.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import weakref
+from collections import deque
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import numpy as np
+
+from ._atomics import buffer_offset, fetch_add_u64, load_u64
+
+__all__ = ["MIN_BYTES", "Arena"]
+
+#: Uncompressed fields at least this large come out as arrays under ``zero_copy``.
+MIN_BYTES = 4096
+
+#: Default chunk size; a span larger than this gets a chunk of its own.
+CHUNK_BYTES = 8 << 20
+
+# Counters at the start of every chunk (u64 each); data starts at HEADER.
+_SENT, _ARRIVED, _LIVE, HEADER = 0, 8, 16, 64
+_MINUS_ONE = (1 << 64) - 1
+_U8 = np.dtype(np.uint8)
+
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
+# id(view) -> lease, for the views alive in this process (an entry leaves with its view).
+_LEASE_OF: dict[int, _Lease] = {}
+
+
+class _Lease:
+    """One use of a chunk, and what a message pickles for the fields cut from it.
+
+    Fields are slices of the lease's *view*: a plain read-only ``uint8`` array over the chunk
+    whose base is a memoryview, so numpy makes the view (not the chunk) every field's ``base``.
+    The lease holds the view only weakly: the view, and with it the lease's registration, dies
+    with the last field (or span) cut from it; the owner's arena then sees the chunk free of
+    local users.  Pickling counts ``sent``; the lease unpickled in another process counts
+    ``arrived`` and ``live`` and gives ``live`` back when its view dies.
+    """
+
+    __slots__ = ("__weakref__", "_readonly", "_view", "header", "tensor")
+
+    def __init__(self, tensor: Any, array: np.ndarray) -> None:
+        self.tensor = tensor  # None: private memory; fields pickle by copy
+        self.header = array[:HEADER]
+        self._readonly = memoryview(array).toreadonly()
+        self._view: weakref.ref[np.ndarray] | None = None
+
+    def view(self, on_release: Any = None) -> np.ndarray:
+        """The read-only array fields are sliced from (a new one once every field is gone)."""
+        view = self._view() if self._view is not None else None
+        if view is None:
+            view = np.frombuffer(self._readonly, _U8)
+            self._view = weakref.ref(view)
+            key = id(view)
+            _LEASE_OF[key] = self
+            weakref.finalize(view, _LEASE_OF.pop, key, None)
+            if on_release is not None:
+                weakref.finalize(view, *on_release)
+        return view
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.tensor is None:
+            raise TypeError("a private arena chunk is not pickled (its fields pickle by copy)")
+        fetch_add_u64(self.header, _SENT, 1)
+        return _lease_arrived, (self.tensor,)
+
+
+def _lease_arrived(tensor: Any) -> _Lease:
+    lease = _Lease(tensor, tensor.numpy())
+    fetch_add_u64(lease.header, _ARRIVED, 1)
+    return lease
+
+
+def _rebuild(lease: _Lease, offset: int, length: int) -> np.ndarray:
+    view = lease._view() if lease._view is not None else None
+    if view is None:  # the first field of this message: the view counts as one live user
+        fetch_add_u64(lease.header, _LIVE, 1)
+        view = lease.view((fetch_add_u64, lease.header, _LIVE, _MINUS_ONE))
+    return view[offset:offset + length]
+
+
+def _reduce_ndarray(arr: np.ndarray) -> tuple[Any, ...]:
+    """``ForkingPickler`` reducer of ``ndarray``: a field cut from a shared chunk travels as
+    (lease, offset, length); any other array as numpy pickles it."""
+    base = arr.base
+    if (base is not None and type(base) is np.ndarray and arr.ndim == 1 and arr.dtype == _U8
+            and arr.flags.c_contiguous):
+        # A field, or a slice of one (numpy makes the view the base of both).  A reshaped or
+        # strided view of a field pickles by copy.
+        lease = _LEASE_OF.get(id(base))
+        if lease is not None and lease.tensor is not None and lease._view is not None \
+                and lease._view() is base:
+            return _rebuild, (lease, buffer_offset(arr, base), len(arr))
+    return arr.__reduce_ex__(pickle.DEFAULT_PROTOCOL)  # type: ignore[no-any-return]
+
+
+ForkingPickler.register(np.ndarray, _reduce_ndarray)
+
+
+def is_arena_field(value: Any) -> bool:
+    """Whether ``value`` is a field cut from an arena chunk (shared or private)."""
+    if not isinstance(value, np.ndarray) or value.base is None:
+        return False
+    lease = _LEASE_OF.get(id(value.base))
+    return lease is not None and lease._view is not None and lease._view() is value.base
+
+
+class _Chunk:
+    """One block of arena memory (``HEADER`` bytes of counters, then data)."""
+
+    __slots__ = ("array", "lease", "mv", "size", "tensor")
+
+    def __init__(self, size: int, shared: bool) -> None:
+        self.size = size + HEADER
+        if shared:
+            self.tensor: Any = _shared_tensor(self.size)
+            self.array = self.tensor.numpy()
+        else:
+            self.tensor, self.array = None, np.zeros(self.size, np.uint8)
+        self.mv = memoryview(self.array)
+        self.lease: _Lease | None = None
+
+    def lend(self) -> _Lease:
+        """A fresh lease for the fields about to be cut from this chunk."""
+        lease = _Lease(self.tensor, self.array)
+        self.lease = lease
+        return lease
+
+    def reusable(self) -> bool:
+        """No field or span of the last lease is alive here, and none is in a pipe or held in
+        another process."""
+        lease = self.lease
+        if lease is not None and lease._view is not None and lease._view() is not None:
+            return False
+        if self.tensor is None:
+            return True
+        a = self.array
+        return load_u64(a, _ARRIVED) >= load_u64(a, _SENT) and load_u64(a, _LIVE) == 0
+
+
+def _shared_tensor(size: int) -> Any:
+    """A 1-D ``uint8`` tensor over ``size`` bytes of fresh shared memory.
+
+    With torch's default ``file_descriptor`` strategy: a ``memfd`` handed to torch as an
+    fd-backed shared storage (~15 µs; ``UntypedStorage._new_shared`` zero-fills and costs ms per
+    8 MiB).  Under the ``file_system`` strategy torch must own the segment's name, so its own
+    allocator is used.
+    """
+    import torch
+    import torch.multiprocessing as tmp
+
+    storage = None
+    if tmp.get_sharing_strategy() == "file_descriptor" and hasattr(os, "memfd_create"):
+        fd = os.memfd_create("shardio-arena", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+        finally:
+            os.close(fd)  # torch keeps its own descriptor
+    if storage is None:
+        storage = torch.UntypedStorage._new_shared(size)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class Arena:
+    """Bump allocator over recycled chunks that shard readers read spans into (see the module
+    docstring).
+
+    Args:
+        chunk_bytes: size of a chunk; a larger span gets a chunk of exactly its size.
+        min_bytes: fields smaller than this are returned as ``bytes``.
+        shared: ``True``/``False`` forces shared memory on/off; ``None`` (default) uses shared
+            memory only inside a torch DataLoader worker, where a batch is pickled to the main
+            process.
+        keep: retired chunks kept for reuse; beyond that the oldest free ones are released.
+    """
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, min_bytes: int = MIN_BYTES,
+                 shared: bool | None = None, keep: int = 16) -> None:
+        self.chunk_bytes = int(chunk_bytes)
+        self.min_bytes = int(min_bytes)
+        self.shared = shared
+        self.keep = keep
+        self._chunk: _Chunk | None = None
+        self._lease: _Lease | None = None
+        self._used = 0
+        self._retired: deque[_Chunk] = deque()
+        self._pid = _PID[0]
+        self.allocated = 0  # chunks created in this process (reuse keeps it small)
+
+    def _is_shared(self) -> bool:
+        if self.shared is not None:
+            return self.shared
+        from torch.utils.data import get_worker_info
+
+        return get_worker_info() is not None
+
+    def _next_chunk(self, n: int) -> _Chunk:
+        if self._pid != _PID[0]:
+            # A forked child never writes into its parent's chunks (shared pages would change
+            # under fields the parent still holds).
+            self._retired, self._chunk, self._pid = deque(), None, _PID[0]
+        if self._chunk is not None:
+            self._retired.append(self._chunk)
+        shared = self._is_shared()
+        found = None
+        for chunk in self._retired:
+            if (chunk.size - HEADER >= n and (chunk.tensor is not None) == shared
+                    and chunk.reusable()):
+                found = chunk
+                break
+        if found is not None:
+            self._retired.remove(found)
+            return found
+        if len(self._retired) > self.keep:
+            # Release free chunks beyond ``keep`` (a chunk still in use elsewhere stays).
+            free = [c for c in self._retired if c.reusable()]
+            for c in free[:len(self._retired) - self.keep]:
+                self._retired.remove(c)
+        self.allocated += 1
+        return _Chunk(max(n, self.chunk_bytes), shared)
+
+    def take(self, n: int) -> tuple[np.ndarray, int, memoryview]:
+        """Room for ``n`` bytes: ``(view, offset, writable memoryview of the n bytes)``; cut
+        fields with ``view[offset:offset + length]``.  The chunk is not reused while the view
+        (held by the caller and by every field) is alive."""
+        chunk = self._chunk
+        if chunk is None or self._used + n > chunk.size or self._pid != _PID[0]:
+            chunk = self._chunk = self._next_chunk(n)
+            self._lease = chunk.lend()
+            self._used = HEADER
+        off = self._used
+        self._used = (off + n + 63) & ~63
+        assert self._lease is not None
+        return self._lease.view(), off, chunk.mv[off:off + n]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_chunk=None, _lease=None, _used=0, _retired=deque())
+        return state
