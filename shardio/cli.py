@@ -28,7 +28,9 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """The argument parser; ``with_bench=False`` leaves out the options of ``shardio bench``
+    (building them imports the benchmark modules: ~50 ms that every ``pack`` would pay)."""
     from . import __version__
 
     p = argparse.ArgumentParser(prog="shardio", description=__doc__.splitlines()[0])
@@ -111,17 +113,17 @@ def _parser() -> argparse.ArgumentParser:
     sg.add_argument("--reserve", default="1GiB", help="free space to leave (default 1GiB)")
     sg.add_argument("--bandwidth", default=None, help="cap on reads from the shared filesystem")
 
-    from . import storagebench
-
     bench = sub.add_parser("bench", help="measure storage before choosing shard size, "
                            "striping, workers and staging depth")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    storagebench.add_arguments(bench_sub.add_parser(
-        "storage", help="bandwidth, IOPS, latency and metadata rates of a directory's filesystem"))
-    from . import loaderbench
+    if with_bench:
+        from . import loaderbench, storagebench
 
-    loaderbench.add_arguments(bench_sub.add_parser(
-        "loader", help="data wait vs a simulated step, per worker count; fewest workers needed"))
+        storagebench.add_arguments(bench_sub.add_parser(
+            "storage",
+            help="bandwidth, IOPS, latency and metadata rates of a directory's filesystem"))
+        loaderbench.add_arguments(bench_sub.add_parser(
+            "loader", help="data wait vs a simulated step, per worker count; fewest workers needed"))
 
     ins = sub.add_parser("inspect", help="summarise a dataset")
     ins.add_argument("dataset")
@@ -370,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (tests call ``main([...])``)."""
     from .errors import ShardioError, UsageError
 
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser(with_bench="bench" in argv).parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
     except UsageError as exc:

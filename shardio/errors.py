@@ -40,6 +40,7 @@ involved and say what to change.
     ├── StagingError                             the node-local cache cannot be used as configured
     ├── ParityError                              parity files are missing, corrupt or cannot rebuild
     ├── ShmSpaceError (OSError)                  /dev/shm or the memory cgroup cannot hold the rings
+    ├── SharedFieldError (OSError)               a zero_copy batch's shared memory cannot be mapped
     ├── RingError                                a shared-memory ring (shardio.ring) failed
     │   ├── RingClosedError (EOFError)           the peer closed the ring (and it is drained)
     │   ├── RingTimeoutError (TimeoutError)      send/recv did not complete within its timeout
@@ -86,6 +87,7 @@ __all__ = [
     "ShardNotFoundError",
     "ShardTruncatedError",
     "ShardioError",
+    "SharedFieldError",
     "ShmSpaceError",
     "SourceError",
     "StagingError",
@@ -263,6 +265,12 @@ class ShmSpaceError(ShardioError, OSError):
     The message says how much is needed, how much is free, and which option to lower or which
     directory to use instead.
     """
+
+
+class SharedFieldError(ShardioError, OSError):
+    """A batch of ``zero_copy`` fields arrived but its shared memory could not be opened through
+    ``/proc/<worker>/fd`` (the worker is gone, or ptrace rules forbid it); the message says to
+    pass ``zero_copy=False``."""
 
 
 class RingError(ShardioError):

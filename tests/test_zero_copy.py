@@ -239,3 +239,27 @@ def test_dataset_pickles_with_its_arena(ds_path: Path) -> None:
     again = next(iter(clone))
     assert again["__key__"] == first["__key__"]
     assert bytes(again["bin"]) == bytes(first["bin"])
+
+
+def _send_fields_and_exit(conn: Any) -> None:
+    arena = sb.Arena(shared=True, chunk_bytes=1 << 16)
+    view, off, mv = arena.take(5000)
+    mv[:] = b"z" * 5000
+    conn.send_bytes(bytes(ForkingPickler.dumps([view[off:off + 5000]])))
+    conn.close()
+
+
+def test_a_batch_whose_worker_is_gone_raises_a_typed_error() -> None:
+    import multiprocessing as mp
+
+    from shardio.errors import SharedFieldError
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_send_fields_and_exit, args=(child,))
+    proc.start()
+    blob = parent.recv_bytes()
+    proc.join(30)
+    assert proc.exitcode == 0
+    with pytest.raises(SharedFieldError, match="zero_copy=False"):
+        pickle.loads(blob)
