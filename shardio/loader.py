@@ -40,8 +40,13 @@ __all__ = ["ShardLoader"]
 
 log = logging.getLogger("shardio.loader")
 
-AUTO_RING_BATCHES = 8
-"""``ring_bytes="auto"``: batches each worker's ring holds (in flight plus held by the loop)."""
+AUTO_RING_BATCHES = 4
+"""``ring_bytes="auto"``: batches each worker's ring holds (in flight plus held by the loop).
+Four: twice DataLoader's default prefetch; every ring page is touched once the ring has wrapped,
+so each batch more is a batch of resident shared memory per worker."""
+AUTO_SAMPLES = 16
+"""``ring_bytes="auto"`` measures a batch of this many samples and scales it to ``batch_size``
+(building a whole first batch would cost a full batch of decoding before any worker starts)."""
 AUTO_RING_MIN = 8 << 20
 AUTO_RING_MAX = 256 << 20
 AUTO_RING_FALLBACK = 64 << 20  # when the sample batch cannot be built in the main process
@@ -215,8 +220,9 @@ class ShardLoader:
 
     def _ring_bytes(self) -> int:
         """``ring_bytes``, or for ``"auto"`` room for :data:`AUTO_RING_BATCHES` batches of the size
-        of this epoch's first batch, in whole MiB between :data:`AUTO_RING_MIN` and
-        :data:`AUTO_RING_MAX` (:data:`AUTO_RING_FALLBACK` if that batch cannot be built)."""
+        of this epoch's first batch (estimated from its first :data:`AUTO_SAMPLES` samples), in
+        whole MiB between :data:`AUTO_RING_MIN` and :data:`AUTO_RING_MAX`
+        (:data:`AUTO_RING_FALLBACK` if that sample batch cannot be built)."""
         size = self.options.ring_bytes
         if size != "auto":
             return int(size)
@@ -231,13 +237,16 @@ class ShardLoader:
         return size
 
     def _sample_batch_bytes(self, timeout: float = 120.0) -> int | None:
-        """Size of the epoch's first batch, built in a forked child: the user's transform and
-        collate run in a process of their own, as in the workers, so nothing they do (CUDA, exit,
-        a crash) touches the training process.  None if it fails or takes over ``timeout``."""
+        """Estimated size of the epoch's first batch: a batch of its first
+        :data:`AUTO_SAMPLES` samples, built in a forked child and scaled to ``batch_size``.  The
+        user's transform and collate run in a process of their own, as in the workers, so
+        nothing they do (CUDA, exit, a crash) touches the training process.  None if it fails
+        or takes over ``timeout``."""
         ds = self.dataset
         topo = ds.topology
+        k = min(AUTO_SAMPLES, self.batch_size)
         spec = {"epoch": ds.epoch, "cursor": ds._cursor, "world_size": topo.world_size,
-                "rank": topo.rank, "batch_size": self.batch_size, "stride": 1}
+                "rank": topo.rank, "batch_size": k, "stride": 1}
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
@@ -265,7 +274,9 @@ class ShardLoader:
                 except ProcessLookupError:
                     pass
             os.waitpid(pid, 0)
-        return int.from_bytes(data, "little") if len(data) == 8 else None
+        if len(data) != 8:
+            return None
+        return -(-int.from_bytes(data, "little") * self.batch_size // k)
 
     def _cpus(self) -> tuple[int, ...] | None:
         cpus = self.options.cpus
