@@ -56,6 +56,9 @@ class _Lease(np.ndarray):
     """The uint8 view of one ring message; every array of the batch is a view of it."""
 
 
+_ONE_THREAD = [0]  # pid of the process whose torch was set to one intra-op thread
+
+
 class _Job:
     """Runs in each worker: the epoch's order and plan, then one batch per ``produce``."""
 
@@ -72,6 +75,11 @@ class _Job:
         # with main, and a worker that starts an epoch late (a restart) must not write them.
         ds = self.dataset
         o = ds.options
+        if _ONE_THREAD[0] != os.getpid():
+            # As DataLoader does in its workers: N workers each running torch's intra-op pool
+            # of one thread per core would oversubscribe the CPUs (and OpenMP threads spin).
+            torch.set_num_threads(1)
+            _ONE_THREAD[0] = os.getpid()
         # The ring already carries batches without pickling them: fields stay plain bytes.
         ds.reader.set_arena(None)
         self.cursor = spec["cursor"]
