@@ -314,7 +314,10 @@ class _Bench:
         except BaseException:
             self.stop.set()
             for t in ts:
-                t.join(2.0)
+                # A signal can land inside t.start(): that thread may never count as started,
+                # and join() would raise instead of the interrupt (daemon threads: never waited).
+                if t.is_alive():
+                    t.join(2.0)
             raise
         if errors:
             raise errors[0]
