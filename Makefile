@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # torch is pinned: 2.13.0 is the CPU build the project is tested with.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_pack.py
+
+# The peer loaders the benchmarks compare with, in an environment of their own: LitData and
+# MosaicML Streaming pin numpy<2.2, torchvision and transformers, which shardio's cannot take.
+# benchmarks/bench_read.py runs their contenders with .venv-peers/bin/python (or
+# $$SHARDIO_PEERS_PYTHON) when their library imports there.
+PEERS_VENV ?= .venv-peers
+peers:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q "$(TORCH)" "numpy<2.2" litdata mosaicml-streaming pillow psutil
 
 clean:
 	rm -rf demo-out .pytest_cache .hypothesis

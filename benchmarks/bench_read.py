@@ -154,6 +154,86 @@ def collate_decode(items: Sequence[tuple[Any, int, int]]) -> tuple[Any, Any, int
 COLLATE = {"raw": collate_raw, "decode": collate_decode}
 
 
+# --- peers in their own environment ------------------------------------------------------------
+# LitData and MosaicML Streaming pin dependencies shardio's environment cannot take (numpy<2.2,
+# torchvision, transformers), so they live in a second virtual environment (`make peers`:
+# .venv-peers, or $SHARDIO_PEERS_PYTHON).  Their contenders run their child process with that
+# interpreter; the per-sample functions above are the same code.
+PEERS = {"litdata": ("litdata", "litdata"), "mosaic": ("streaming", "mosaicml-streaming")}
+MEASURED_PEERS = ("litdata",)  # kinds this script can run when their library imports
+
+
+def peers_python() -> str | None:
+    """The peers' interpreter: ``$SHARDIO_PEERS_PYTHON``, else ``.venv-peers/bin/python``."""
+    path = os.environ.get("SHARDIO_PEERS_PYTHON") or str(ROOT / ".venv-peers" / "bin" / "python")
+    return path if os.access(path, os.X_OK) else None
+
+
+_PROBE = """
+import json, importlib.metadata as md
+out = {}
+for mod, dist in %r:
+    try:
+        __import__(mod)
+        out[dist] = md.version(dist)
+    except Exception as exc:
+        out[dist] = "unusable: %%s: %%s" %% (type(exc).__name__, str(exc).splitlines()[0][:160])
+print(json.dumps(out))
+"""
+
+
+def probe_peers(python: str | None) -> dict[str, str]:
+    """Distribution -> version, or ``"unusable: <why>"``, or ``"not installed"``, per peer."""
+    dists = [dist for _mod, dist in PEERS.values()]
+    if python is None:
+        return {d: "not installed (no peers environment: make peers)" for d in dists}
+    proc = subprocess.run([python, "-c", _PROBE % (list(PEERS.values()),)], capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
+    try:
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        found = {}
+    return {d: found.get(d, f"not installed in {python}") for d in dists}
+
+
+def usable(version: str) -> bool:
+    return not version.startswith(("unusable", "not installed"))
+
+
+def _litdata_sample(item: tuple[str, int]) -> dict[str, Any]:
+    """``litdata.optimize`` fn: one source file and its label."""
+    path, label = item
+    with open(path, "rb") as f:
+        return {"jpg": f.read(), "cls": label}
+
+
+def convert_litdata(src: str, out: str) -> None:
+    """Write the tree as a LitData dataset (64 MB chunks, like the shards); peers python."""
+    import litdata
+
+    items = ImageFolderBytes(src, raw_item).samples
+    litdata.optimize(fn=_litdata_sample, inputs=items, output_dir=out, chunk_bytes="64MB",
+                     num_workers=WORKERS)
+
+
+class LitDataItem:
+    """Built in the child: a ``litdata.StreamingDataset`` whose items go through the mode's
+    per-sample function."""
+
+    @staticmethod
+    def make(root: str, fn: Callable[[bytes, int], Any]) -> Any:
+        import litdata
+
+        class _Items(litdata.StreamingDataset):  # type: ignore[misc]
+            def __getitem__(self, index: Any) -> Any:
+                s = super().__getitem__(index)
+                # LitData hands out a memoryview of its chunk, which cannot be pickled to the
+                # main process: bytes, as every other contender delivers.
+                return fn(bytes(s["jpg"]), int(s["cls"]))
+
+        return _Items(root, shuffle=True)
+
+
 class ShardioItem:
     """``ShardDataset`` transform: ``{"jpg", "cls", ...}`` → the mode's per-sample function."""
 
@@ -281,6 +361,12 @@ def _loader(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None]]:
         ds = ImageFolderBytes(spec["src"], fn)
         return DataLoader(ds, batch_size=BATCH, shuffle=True, collate_fn=collate, **common), \
             lambda epoch: None
+    if kind == "litdata":
+        import litdata
+
+        lds = LitDataItem.make(spec["litdata"], fn)
+        return (litdata.StreamingDataLoader(lds, batch_size=BATCH, collate_fn=collate, **common),
+                lds.set_epoch)
     import webdataset as wds
 
     urls = spec["tars"]
@@ -393,7 +479,8 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
     Raises:
         RuntimeError: the child failed (its stderr is included).
     """
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
+    proc = subprocess.run([spec.get("python") or sys.executable, __file__, "--child",
+                           json.dumps(spec)],
                           capture_output=True, text=True, cwd=str(ROOT), stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise RuntimeError(f"{spec['kind']}/{spec['mode']} run exited {proc.returncode}:\n"
@@ -441,8 +528,18 @@ def prepare(work: str, files: int, classes: int, shard_size: str) -> dict[str, A
     print(f"generated {files} files ({payload / 1e6:.1f} MB) in {t_gen:.1f}s, packed into "
           f"{len(tars)} shards ({shard_bytes / 1e6:.1f} MB) in {t_pack:.1f}s; page cache warmed",
           file=sys.stderr)
-    return {"src": src, "shards": shards, "tars": tars, "files": files, "payload_bytes": payload,
-            "num_shards": len(tars), "shard_bytes": shard_bytes}
+    out = {"src": src, "shards": shards, "tars": tars, "files": files, "payload_bytes": payload,
+           "num_shards": len(tars), "shard_bytes": shard_bytes}
+    python = peers_python()
+    out["peers_python"], out["peers"] = python, probe_peers(python)
+    if python is not None and usable(out["peers"]["litdata"]):
+        lit = os.path.join(work, "litdata")
+        subprocess.run([python, __file__, "--litdata-convert", src, lit], check=True,
+                       cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        _read_all([os.path.join(lit, n) for n in os.listdir(lit)])
+        out["litdata"] = lit
+    print("peers: " + ", ".join(f"{d} {v}" for d, v in out["peers"].items()), file=sys.stderr)
+    return out
 
 
 # --- orchestration and reporting ----------------------------------------------------------------
@@ -460,6 +557,9 @@ class Contender:
 
 
 LOADER_DESC = {
+    "litdata": ("litdata.StreamingDataLoader(litdata.StreamingDataset(optimized, shuffle=True) "
+                "with f applied in __getitem__, batch_size=256) (peers environment; data written "
+                "by litdata.optimize in 64 MB chunks)"),
     "shardio": ("DataLoader(ShardDataset(batch_size=256, shuffle=True, transform=f, "
                 "zero_copy=True), batch_size=256)"),
     "shardio_loader": ("ShardLoader(ShardDataset(batch_size=256, shuffle=True, transform=f), "
@@ -602,6 +702,9 @@ def summary_line(lines: dict[str, dict[str, Any]], growth: list[dict[str, Any]],
         "shardio_loader_pss_growth_pct": max((g["pss_growth_pct"] for g in loader_growth),
                                              default=None),
     }
+    if "litdata_raw" in lines:
+        ratios.update({f"{m}_{who}_vs_litdata": round(sps(f"{who}_{m}") / sps(f"litdata_{m}"), 3)
+                       for m in MODES for who in ("shardio", "shardio_loader")})
     return {
         "bench": "read", "kind": "summary", **cfg,
         "webdataset_setup": {m: wds_best[m] for m in MODES},
@@ -628,6 +731,11 @@ def summary_line(lines: dict[str, dict[str, Any]], growth: list[dict[str, Any]],
                                       "pss_trend_pct")}
                    for g in growth},
         "ratios": ratios,
+        # Contenders whose payload differs from the small-files loader's: they repeated or
+        # dropped samples within the epoch (each run delivers the right count: checked).
+        "payload_mismatch": sorted(name for name, ln in lines.items()
+                                   if ln["payload_bytes"] != lines[f"smallfiles_{ln['mode']}"][
+                                       "payload_bytes"]),
         "targets": {
             "raw_shardio_ge_2x_smallfiles": raw_vs_files >= TARGETS["raw_vs_smallfiles"],
             "raw_shardio_ge_4x_webdataset": raw_vs_wds >= TARGETS["raw_vs_webdataset"],
@@ -681,6 +789,9 @@ def print_table(lines: Sequence[dict[str, Any]], growth: Sequence[dict[str, Any]
     print("cpu ratios (other/shardio CPU per sample): "
           + ", ".join(f"{k}={v}" for k, v in summary["cpu_ratios"].items())
           + f"; max 1-min load during runs {summary['max_load_1min']}", file=err)
+    if summary["payload_mismatch"]:
+        print("delivered other bytes than the small-files loader (samples repeated or dropped): "
+              + ", ".join(summary["payload_mismatch"]), file=err)
     print("targets: " + ", ".join(f"{k}={'PASS' if v else 'MISS'}"
                                   for k, v in summary["targets"].items()), file=err)
 
@@ -698,6 +809,7 @@ def _parser() -> argparse.ArgumentParser:
     add_output_args(p, f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}, "
                         f"{QUICK['growth_epochs']} growth epochs, {QUICK['shard_size']} shards")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--litdata-convert", nargs=2, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -705,6 +817,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.child:
         return child(json.loads(a.child))
+    if a.litdata_convert:
+        convert_litdata(*a.litdata_convert)
+        return 0
     base = QUICK if a.quick else DEFAULTS
     n_files = a.files if a.files is not None else base["files"]
     n_classes = a.classes if a.classes is not None else base["classes"]
@@ -733,12 +848,17 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, growth_epochs: 
     data = prepare(work, n_files, n_classes, shard_size)
     base_spec = {k: data[k] for k in ("src", "shards", "tars", "files")}
     base_spec.update(sample_interval=interval, persistent=False, epochs=1, end_memory=False)
+    kinds = list(KINDS)
+    if data.get("litdata"):
+        kinds.append("litdata")
+        base_spec["litdata"] = data["litdata"]
 
-    contenders = [Contender(k, m) for m in MODES for k in KINDS]
+    contenders = [Contender(k, m) for m in MODES for k in kinds]
     for rnd in range(repeat):
         k = rnd % len(contenders)
         for c in contenders[k:] + contenders[:k]:
-            c.runs.append(_run_child({**base_spec, "kind": c.kind, "mode": c.mode}))
+            peer = {"python": data["peers_python"]} if c.kind in MEASURED_PEERS else {}
+            c.runs.append(_run_child({**base_spec, "kind": c.kind, "mode": c.mode, **peer}))
             ep = c.runs[-1]["epochs"][0]
             print(f"  round {rnd + 1}/{repeat} {c.name}: {ep['seconds']:.3f}s "
                   f"({ep['samples'] / ep['seconds']:.0f} samples/s, {_cpu_us(ep):.1f} us "
@@ -765,6 +885,7 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, growth_epochs: 
         "python": platform.python_version(), "shardio": shardio.__version__,
         "torch": _dist_version("torch"), "webdataset": _dist_version("webdataset"),
         "pillow": _dist_version("pillow"),
+        "peers_python": data["peers_python"], "peers": data["peers"],
     }
     lines = [contender_line(c, data) for c in contenders]
     summary = summary_line({f"{ln['contender']}_{ln['mode']}": ln for ln in lines}, growth, cfg)

@@ -91,8 +91,9 @@ PEERS = (
      "read and loader (`smallfiles`: one open/read per sample)"),
     ("webdataset", "webdataset",
      "pack (`webdataset_shardwriter`), read and loader (`wds_batched`, `wds_dataloader`)"),
-    ("MosaicML Streaming", "mosaicml-streaming", "no benchmark script measures it yet"),
-    ("LitData", "litdata", "no benchmark script measures it yet"),
+    ("MosaicML Streaming", "mosaicml-streaming", "read (`mosaic`), when it imports in the peers "
+     "environment (`make peers`)"),
+    ("LitData", "litdata", "read (`litdata`), in the peers environment (`make peers`)"),
 )
 
 MISSING = "missing"
@@ -834,8 +835,18 @@ def build_report(results_dir: str | os.PathLike[str], *, plots: bool = True) -> 
     head += ["## Overview", "",
              *md_table(("benchmark", "status", "started", "targets"), overview), ""]
 
-    peers = [(label, dist, (machine.get("versions") or {}).get(dist) or "not installed", what)
-             for label, dist, what in PEERS]
+    # The read benchmark probes the peers environment: its versions (or why a peer is unusable).
+    probed = _get(results["read"].summary, "peers") if "read" in results else None
+    probed = probed if isinstance(probed, Mapping) else {}
+    read_kinds = {str(d.get("contender")) for d in results["read"].lines} if "read" in results \
+        else set()
+    peers = []
+    for label, dist, what in PEERS:
+        version = (machine.get("versions") or {}).get(dist) or probed.get(dist) or "not installed"
+        kind = {"mosaicml-streaming": "mosaic", "litdata": "litdata"}.get(dist)
+        if kind is not None and kind not in read_kinds:
+            what = f"not measured in this run ({version})" if version != "not installed" else what
+        peers.append((label, dist, version, what))
     head += ["## Peers", "",
              "What the scripts compare shardio with, as installed where the suite ran:", "",
              *md_table(("peer", "distribution", "version", "measured by"), peers), ""]
