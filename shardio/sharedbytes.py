@@ -177,14 +177,13 @@ def _reduce_ndarray(arr: np.ndarray) -> tuple[Any, ...]:
     """``ForkingPickler`` reducer of ``ndarray``: a field cut from a shared chunk travels as
     (lease, offset, length); any other array as numpy pickles it."""
     base = arr.base
-    if (base is not None and type(base) is np.ndarray and arr.ndim == 1 and arr.dtype == _U8
+    lease = _LEASE_OF.get(id(base)) if base is not None else None
+    # A field, or a slice of one (numpy makes the view the base of both); a reshaped or strided
+    # view of a field pickles by copy, like any other array.
+    if (lease is not None and lease.tensor is not None and lease._view is not None
+            and lease._view() is base and arr.ndim == 1 and arr.dtype == _U8
             and arr.flags.c_contiguous):
-        # A field, or a slice of one (numpy makes the view the base of both).  A reshaped or
-        # strided view of a field pickles by copy.
-        lease = _LEASE_OF.get(id(base))
-        if lease is not None and lease.tensor is not None and lease._view is not None \
-                and lease._view() is base:
-            return _rebuild, (lease, buffer_offset(arr, base), len(arr))
+        return _rebuild, (lease, buffer_offset(arr, base), len(arr))
     return arr.__reduce_ex__(pickle.DEFAULT_PROTOCOL)  # type: ignore[no-any-return]
 
 
@@ -281,6 +280,7 @@ class Arena:
         self.keep = keep
         self._chunk: _Chunk | None = None
         self._lease: _Lease | None = None
+        self._view_ref: weakref.ref[np.ndarray] | None = None
         self._used = 0
         self._retired: deque[_Chunk] = deque()
         self._pid = _PID[0]
@@ -323,16 +323,21 @@ class Arena:
         fields with ``view[offset:offset + length]``.  The chunk is not reused while the view
         (held by the caller and by every field) is alive."""
         chunk = self._chunk
-        if chunk is None or self._used + n > chunk.size or self._pid != _PID[0]:
-            chunk = self._chunk = self._next_chunk(n)
-            self._lease = chunk.lend()
-            self._used = HEADER
+        view = self._view_ref() if self._view_ref is not None else None
+        if (chunk is None or self._used + n > chunk.size or self._pid != _PID[0]
+                or view is None):
+            if chunk is None or self._used + n > chunk.size or self._pid != _PID[0]:
+                chunk = self._chunk = self._next_chunk(n)
+                self._lease = chunk.lend()
+                self._used = HEADER
+            assert self._lease is not None
+            view = self._lease.view()
+            self._view_ref = weakref.ref(view)
         off = self._used
         self._used = (off + n + 63) & ~63
-        assert self._lease is not None
-        return self._lease.view(), off, chunk.mv[off:off + n]
+        return view, off, chunk.mv[off:off + n]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_chunk=None, _lease=None, _used=0, _retired=deque())
+        state.update(_chunk=None, _lease=None, _view_ref=None, _used=0, _retired=deque())
         return state
