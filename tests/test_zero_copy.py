@@ -263,3 +263,16 @@ def test_a_batch_whose_worker_is_gone_raises_a_typed_error() -> None:
     assert proc.exitcode == 0
     with pytest.raises(SharedFieldError, match="zero_copy=False"):
         pickle.loads(blob)
+
+
+def test_spawned_and_persistent_workers(ds_path: Path) -> None:
+    """Workers started by spawn get the dataset (and its arena) by pickle; persistent workers
+    keep their chunks across epochs; every epoch still delivers the same bytes, once each."""
+    ref = _reference(ds_path)
+    ds = shardio.ShardDataset(ds_path, batch_size=8, seed=5, zero_copy=True)
+    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=_collate,
+                        multiprocessing_context="spawn", persistent_workers=True)
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        got = {s["__key__"]: _as_bytes(s["bin"]) for batch in loader for s in batch}
+        assert got == {k: v["bin"] for k, v in ref.items()}
