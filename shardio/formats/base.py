@@ -431,13 +431,14 @@ class ShardReader:
             _inject.delay(self.path, n)
 
     def _span(self, start: int, end: int) -> tuple[Any, Any, int]:
-        """Shard bytes ``[start, end)`` as ``(buffer, arena chunk or None, chunk offset)``: with
-        an arena, read straight into one of its chunks (one copy, no ``bytes`` object)."""
+        """Shard bytes ``[start, end)`` as ``(buffer, view or None, offset in view)``: with an
+        arena, read straight into one of its chunks (one copy, no ``bytes`` object); fields are
+        cut from the chunk's read-only ``view`` (:mod:`shardio.sharedbytes`)."""
         arena = self.arena
         if arena is None or end <= start:
             return self.read_span(start, end), None, 0
         n = end - start
-        chunk, off, mv = arena.take(n)
+        view, off, mv = arena.take(n)
         fd = self._hfd if self._hpid == _PID[0] and self._hfd is not None else self._fd()
         try:
             got = os.preadv(fd, [mv], start)
@@ -447,7 +448,7 @@ class ShardReader:
             self._after_read(start, n, got)
         elif self.on_read is not None:
             self.on_read(n)
-        return mv, chunk, off
+        return mv, view, off
 
     def willneed(self) -> None:
         """Ask the kernel to start reading the whole shard in the background
@@ -477,8 +478,8 @@ class ShardReader:
                 idx.f_length, idx.f_raw_length, idx.f_checksum, lo, hi))
         return self._mv
 
-    def _decode(self, i: int, base: int, buf: bytes | memoryview, chunk: Any = None,
-                coff: int = 0) -> dict[str, Any]:
+    def _decode(self, i: int, base: int, buf: bytes | memoryview, view: Any = None,
+                voff: int = 0) -> dict[str, Any]:
         idx = self.index
         kof, sst, fname, fflags, foff, flen, fraw, fsum, _lo, _hi = self._views()
         key = idx.key_blob[kof[i] : kof[i + 1]].decode("utf-8")
@@ -486,8 +487,8 @@ class ShardReader:
         mv = buf if type(buf) is memoryview else memoryview(buf)
         names = idx.field_names
         check = self._check if self.verify else None
-        # Fields at least this large are cut from the arena chunk (never, without one).
-        big = self.arena.min_bytes if chunk is not None else 1 << 62
+        # Fields at least this large are cut from the arena's view (never, without one).
+        big = self.arena.min_bytes if view is not None else 1 << 62
         for r in range(sst[i], sst[i + 1]):
             off = foff[r] - base
             n = flen[r]
@@ -503,7 +504,7 @@ class ShardReader:
             if flags:
                 sample[name] = self.codec.decode(stored, flags, fraw[r])
             elif n >= big:
-                sample[name] = chunk[coff + off : coff + off + n]
+                sample[name] = view[voff + off : voff + off + n]
             else:
                 sample[name] = bytes(stored)
         return sample
@@ -547,9 +548,9 @@ class ShardReader:
             while j < stop and lo[j] >= start and hi[j] <= limit:
                 end = max(end, int(hi[j]))
                 j += 1
-            buf, chunk, coff = self._span(start, end)
+            buf, view, voff = self._span(start, end)
             for k in range(i, j):
-                yield self._decode(k, start, buf, chunk, coff)
+                yield self._decode(k, start, buf, view, voff)
             i = j
 
     def __getstate__(self) -> dict[str, Any]:
