@@ -40,7 +40,6 @@ import torch
 import shardio
 from shardio import ShardDataset, ShardLoader, Topology
 from shardio.errors import (
-    MessageTooLargeError,
     ShmSpaceError,
     WorkerCrashedError,
     WorkerError,
@@ -825,6 +824,41 @@ def test_auto_ring_bytes_sized_from_the_first_batch(
     assert AUTO_RING_MIN <= loader.ring_bytes <= AUTO_RING_MAX
     assert loader.ring_bytes >= min(want, AUTO_RING_MAX)
     assert n > 0 and loader.stats()["copied_out"] == 0
+
+
+def test_auto_ring_bytes_estimated_from_16_samples(
+        text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    """A batch larger than the 16-sample probe is sized by scaling the probe: room for
+    AUTO_RING_BATCHES batches of 32 rows of 64 KiB, and nothing copied out."""
+    from shardio.loader import AUTO_RING_BATCHES, AUTO_SAMPLES
+
+    def rows(samples: list[dict[str, Any]]) -> np.ndarray:
+        return np.zeros((len(samples), 1 << 16), dtype=np.uint8)
+
+    assert AUTO_SAMPLES < 32
+    loader = make_loader(ShardDataset(text, batch_size=32), 32, num_workers=1, collate_fn=rows,
+                         **FAST)
+    n = sum(1 for _ in loader)
+    assert loader.ring_bytes >= AUTO_RING_BATCHES * 32 * (1 << 16)
+    assert n > 0 and loader.stats()["copied_out"] == 0
+
+
+def worker_runtime(samples: list[dict[str, Any]]) -> np.ndarray:
+    """collate_fn reporting, from inside the worker: torch intra-op threads, GC-frozen objects."""
+    import gc
+
+    import torch
+
+    return np.array([[torch.get_num_threads(), gc.get_freeze_count()]] * len(samples))
+
+
+def test_workers_run_one_torch_thread_and_freeze_inherited_objects(
+        text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    loader = make_loader(ShardDataset(text), 8, collate_fn=worker_runtime, **FAST)
+    for batch in loader:
+        threads, frozen = np.asarray(batch)[0]
+        assert threads == 1  # as DataLoader's workers: no oversubscribed intra-op pools
+        assert frozen > 1000  # the training process's objects, never traversed by the GC
 
 
 # --- 7. data-wait accounting -----------------------------------------------------------------

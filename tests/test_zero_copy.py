@@ -276,3 +276,40 @@ def test_spawned_and_persistent_workers(ds_path: Path) -> None:
         ds.set_epoch(epoch)
         got = {s["__key__"]: _as_bytes(s["bin"]) for batch in loader for s in batch}
         assert got == {k: v["bin"] for k, v in ref.items()}
+
+
+class FreezeCount:
+    def __call__(self, sample: dict[str, Any]) -> int:
+        return gc.get_freeze_count()
+
+
+def test_dataloader_workers_freeze_inherited_objects(ds_path: Path) -> None:
+    """A full collection in a worker would traverse (and copy-on-write) the training process's
+    heap: the dataset moves what the worker inherited out of the GC's reach."""
+    ds = shardio.ShardDataset(ds_path, batch_size=8, transform=FreezeCount())
+    counts = [c for batch in DataLoader(ds, batch_size=8, num_workers=2) for c in batch.tolist()]
+    assert len(counts) == N and min(counts) > 1000
+
+
+def test_modules_workers_would_import_are_loaded_before_they_fork(ds_path: Path) -> None:
+    """numpy.random (imported lazily by numpy 2) and the shard format's index module are
+    loaded when the dataset is built, so forked workers do not import them again each epoch;
+    and `shardio pack` does not import the benchmark modules."""
+    import subprocess
+    import sys
+
+    code = ("import sys, shardio; shardio.ShardDataset(sys.argv[1]); "
+            "print('numpy.random' in sys.modules, 'shardio.formats.tar' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(ds_path)], capture_output=True,
+                         text=True, check=True, timeout=120).stdout.split()
+    assert out == ["True", "True"]
+    code = ("import sys\n"
+            "try:\n    from shardio import cli; cli.main(['pack', sys.argv[1], sys.argv[2]])\n"
+            "finally:\n    print(sorted(m for m in sys.modules if m.endswith('bench')))")
+    src = Path(ds_path).parent / "src"
+    out_dir = Path(ds_path).parent / "pack-probe"
+    proc = subprocess.run([sys.executable, "-c", code, str(src), str(out_dir)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    shutil.rmtree(out_dir, ignore_errors=True)
