@@ -41,7 +41,7 @@ def _detect_topology() -> Topology:
     return Topology.from_env()
 
 
-_FROZEN: list[int] = []
+_FROZEN = [0]  # pid of the process that froze what it inherited
 
 
 def _freeze_inherited() -> None:
@@ -50,7 +50,7 @@ def _freeze_inherited() -> None:
     them all (~0.1 s in a torch process) and write to each one's header, copying every page of
     the parent's heap into the worker; the allocations of reading trigger one early."""
     gc.freeze()
-    _FROZEN.append(os.getpid())
+    _FROZEN[0] = os.getpid()
 
 
 class ShardDataset(IterableDataset[dict[str, Any]]):
@@ -198,7 +198,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if info is not None and os.getpid() not in _FROZEN:
+        if info is not None and _FROZEN[0] != os.getpid():
             _freeze_inherited()
         plan = self._plan()
         order = self._order()

@@ -280,7 +280,6 @@ class Arena:
         self.keep = keep
         self._chunk: _Chunk | None = None
         self._lease: _Lease | None = None
-        self._view_ref: weakref.ref[np.ndarray] | None = None
         self._used = 0
         self._retired: deque[_Chunk] = deque()
         self._pid = _PID[0]
@@ -323,21 +322,16 @@ class Arena:
         fields with ``view[offset:offset + length]``.  The chunk is not reused while the view
         (held by the caller and by every field) is alive."""
         chunk = self._chunk
-        view = self._view_ref() if self._view_ref is not None else None
-        if (chunk is None or self._used + n > chunk.size or self._pid != _PID[0]
-                or view is None):
-            if chunk is None or self._used + n > chunk.size or self._pid != _PID[0]:
-                chunk = self._chunk = self._next_chunk(n)
-                self._lease = chunk.lend()
-                self._used = HEADER
-            assert self._lease is not None
-            view = self._lease.view()
-            self._view_ref = weakref.ref(view)
+        if chunk is None or self._used + n > chunk.size or self._pid != _PID[0]:
+            chunk = self._chunk = self._next_chunk(n)
+            self._lease = chunk.lend()
+            self._used = HEADER
+        assert self._lease is not None
         off = self._used
         self._used = (off + n + 63) & ~63
-        return view, off, chunk.mv[off:off + n]
+        return self._lease.view(), off, chunk.mv[off:off + n]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_chunk=None, _lease=None, _view_ref=None, _used=0, _retired=deque())
+        state.update(_chunk=None, _lease=None, _used=0, _retired=deque())
         return state
