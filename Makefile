@@ -31,11 +31,15 @@ bench: install
 # The peer loaders the benchmarks compare with, in an environment of their own: LitData and
 # MosaicML Streaming pin numpy<2.2, torchvision and transformers, which shardio's cannot take.
 # benchmarks/bench_read.py runs their contenders with .venv-peers/bin/python (or
-# $$SHARDIO_PEERS_PYTHON) when their library imports there.
-PEERS_VENV ?= .venv-peers
+# $$SHARDIO_PEERS_PYTHON) when their library imports there.  `import streaming` imports
+# torchvision, and PyPI's torchvision needs a torch with CUDA libraries (beside the 2.13.0 CPU
+# build it fails with "operator torchvision::nms does not exist"), so this environment takes
+# torch 2.14.1 with torchvision 0.29.1 (a CUDA build, about 5.5 GB; it runs on the CPU).
+PEERS_VENV  ?= .venv-peers
+PEERS_TORCH ?= torch==2.14.1 torchvision==0.29.1
 peers:
 	$(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/python -m pip install -q "$(TORCH)" "numpy<2.2" litdata mosaicml-streaming pillow psutil
+	$(PEERS_VENV)/bin/python -m pip install -q $(PEERS_TORCH) "numpy<2.2" litdata mosaicml-streaming pillow psutil
 
 clean:
 	rm -rf demo-out .pytest_cache .hypothesis

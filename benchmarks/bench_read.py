@@ -160,7 +160,7 @@ COLLATE = {"raw": collate_raw, "decode": collate_decode}
 # .venv-peers, or $SHARDIO_PEERS_PYTHON).  Their contenders run their child process with that
 # interpreter; the per-sample functions above are the same code.
 PEERS = {"litdata": ("litdata", "litdata"), "mosaic": ("streaming", "mosaicml-streaming")}
-MEASURED_PEERS = ("litdata",)  # kinds this script can run when their library imports
+MEASURED_PEERS = ("litdata", "mosaic")  # kinds this script runs when their library imports
 
 
 def peers_python() -> str | None:
@@ -214,6 +214,41 @@ def convert_litdata(src: str, out: str) -> None:
     items = ImageFolderBytes(src, raw_item).samples
     litdata.optimize(fn=_litdata_sample, inputs=items, output_dir=out, chunk_bytes="64MB",
                      num_workers=WORKERS)
+
+
+def convert_mosaic(src: str, out: str) -> None:
+    """Write the tree as a MosaicML Streaming (MDS) dataset, 64 MB shards, no compression and no
+    extra hashes (shardio's own checksums are on in its contenders); peers python."""
+    from streaming import MDSWriter
+
+    with MDSWriter(out=out, columns={"jpg": "bytes", "cls": "int"}, size_limit="64mb") as w:
+        for path, label in ImageFolderBytes(src, raw_item).samples:
+            with open(path, "rb") as f:
+                w.write({"jpg": f.read(), "cls": label})
+
+
+PEER_CONVERT = {"litdata": convert_litdata, "mosaic": convert_mosaic}
+
+
+class MosaicItem:
+    """Built in the child: a ``streaming.StreamingDataset`` over the local MDS tree whose items
+    go through the mode's per-sample function."""
+
+    @staticmethod
+    def make(root: str, fn: Callable[[bytes, int], Any]) -> Any:
+        from streaming import StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+
+        # Streaming coordinates its workers through named shared memory; a run killed earlier
+        # can leave some behind, which its documentation says to clear this way.
+        clean_stale_shared_memory()
+
+        class _Items(StreamingDataset):  # type: ignore[misc]
+            def __getitem__(self, index: Any) -> Any:
+                s = super().__getitem__(index)
+                return fn(s["jpg"], int(s["cls"]))
+
+        return _Items(local=root, shuffle=True, batch_size=BATCH)
 
 
 class LitDataItem:
@@ -361,6 +396,12 @@ def _loader(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None]]:
         ds = ImageFolderBytes(spec["src"], fn)
         return DataLoader(ds, batch_size=BATCH, shuffle=True, collate_fn=collate, **common), \
             lambda epoch: None
+    if kind == "mosaic":
+        from streaming import StreamingDataLoader
+
+        mds = MosaicItem.make(spec["mosaic"], fn)
+        return (StreamingDataLoader(mds, batch_size=BATCH, collate_fn=collate, **common),
+                lambda epoch: None)
     if kind == "litdata":
         import litdata
 
@@ -532,12 +573,14 @@ def prepare(work: str, files: int, classes: int, shard_size: str) -> dict[str, A
            "num_shards": len(tars), "shard_bytes": shard_bytes}
     python = peers_python()
     out["peers_python"], out["peers"] = python, probe_peers(python)
-    if python is not None and usable(out["peers"]["litdata"]):
-        lit = os.path.join(work, "litdata")
-        subprocess.run([python, __file__, "--litdata-convert", src, lit], check=True,
+    for kind in MEASURED_PEERS:
+        if python is None or not usable(out["peers"][PEERS[kind][1]]):
+            continue
+        peer_out = os.path.join(work, kind)
+        subprocess.run([python, __file__, "--peer-convert", kind, src, peer_out], check=True,
                        cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        _read_all([os.path.join(lit, n) for n in os.listdir(lit)])
-        out["litdata"] = lit
+        _read_all([os.path.join(peer_out, n) for n in os.listdir(peer_out)])
+        out[kind] = peer_out
     print("peers: " + ", ".join(f"{d} {v}" for d, v in out["peers"].items()), file=sys.stderr)
     return out
 
@@ -557,6 +600,9 @@ class Contender:
 
 
 LOADER_DESC = {
+    "mosaic": ("streaming.StreamingDataLoader(streaming.StreamingDataset(local=mds, shuffle=True, "
+               "batch_size=256) with f applied in __getitem__, batch_size=256) (peers environment; "
+               "data written by streaming.MDSWriter in 64 MB shards)"),
     "litdata": ("litdata.StreamingDataLoader(litdata.StreamingDataset(optimized, shuffle=True) "
                 "with f applied in __getitem__, batch_size=256) (peers environment; data written "
                 "by litdata.optimize in 64 MB chunks)"),
@@ -702,9 +748,10 @@ def summary_line(lines: dict[str, dict[str, Any]], growth: list[dict[str, Any]],
         "shardio_loader_pss_growth_pct": max((g["pss_growth_pct"] for g in loader_growth),
                                              default=None),
     }
-    if "litdata_raw" in lines:
-        ratios.update({f"{m}_{who}_vs_litdata": round(sps(f"{who}_{m}") / sps(f"litdata_{m}"), 3)
-                       for m in MODES for who in ("shardio", "shardio_loader")})
+    for peer in MEASURED_PEERS:
+        if f"{peer}_raw" in lines:
+            ratios.update({f"{m}_{who}_vs_{peer}": round(sps(f"{who}_{m}") / sps(f"{peer}_{m}"), 3)
+                           for m in MODES for who in ("shardio", "shardio_loader")})
     return {
         "bench": "read", "kind": "summary", **cfg,
         "webdataset_setup": {m: wds_best[m] for m in MODES},
@@ -809,7 +856,7 @@ def _parser() -> argparse.ArgumentParser:
     add_output_args(p, f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}, "
                         f"{QUICK['growth_epochs']} growth epochs, {QUICK['shard_size']} shards")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--litdata-convert", nargs=2, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--peer-convert", nargs=3, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -817,8 +864,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.child:
         return child(json.loads(a.child))
-    if a.litdata_convert:
-        convert_litdata(*a.litdata_convert)
+    if a.peer_convert:
+        kind, src, out = a.peer_convert
+        PEER_CONVERT[kind](src, out)
         return 0
     base = QUICK if a.quick else DEFAULTS
     n_files = a.files if a.files is not None else base["files"]
@@ -849,9 +897,10 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, growth_epochs: 
     base_spec = {k: data[k] for k in ("src", "shards", "tars", "files")}
     base_spec.update(sample_interval=interval, persistent=False, epochs=1, end_memory=False)
     kinds = list(KINDS)
-    if data.get("litdata"):
-        kinds.append("litdata")
-        base_spec["litdata"] = data["litdata"]
+    for kind in MEASURED_PEERS:
+        if data.get(kind):
+            kinds.append(kind)
+            base_spec[kind] = data[kind]
 
     contenders = [Contender(k, m) for m in MODES for k in kinds]
     for rnd in range(repeat):

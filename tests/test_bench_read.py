@@ -53,7 +53,7 @@ def test_quick_run_prints_contender_growth_and_summary_lines(tmp_path: Path) -> 
     contenders = [ln for ln in lines if ln["kind"] == "contender"]
     growth = [ln for ln in lines if ln["kind"] == "growth"]
     summary = lines[-1]
-    # Peer contenders (LitData) run only where the peers environment exists (`make peers`).
+    # Peer contenders (LitData, MosaicML Streaming) run only where the peers environment exists (`make peers`).
     peers = sorted({c["contender"] for c in contenders} - set(KINDS))
     assert set(peers) <= set(MEASURED_PEERS)
     assert set(peers) == {k for k in MEASURED_PEERS
