@@ -4,9 +4,58 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- peers in their own environment ------------------------------------------------------------
+# LitData and MosaicML Streaming pin dependencies shardio's environment cannot take (numpy<2.2,
+# torchvision, transformers), so they live in a second virtual environment (`make peers`:
+# .venv-peers, or $SHARDIO_PEERS_PYTHON).  bench_read and bench_pack run their contenders in a
+# child process of that interpreter.  Kind -> (module, distribution).
+PEERS = {"litdata": ("litdata", "litdata"), "mosaic": ("streaming", "mosaicml-streaming")}
+
+
+def peers_python() -> str | None:
+    """The peers' interpreter: ``$SHARDIO_PEERS_PYTHON``, else ``.venv-peers/bin/python``."""
+    path = os.environ.get("SHARDIO_PEERS_PYTHON") or str(ROOT / ".venv-peers" / "bin" / "python")
+    return path if os.access(path, os.X_OK) else None
+
+
+_PROBE = """
+import json, importlib.metadata as md
+out = {}
+for mod, dist in %r:
+    try:
+        __import__(mod)
+        out[dist] = md.version(dist)
+    except Exception as exc:
+        out[dist] = "unusable: %%s: %%s" %% (type(exc).__name__, str(exc).splitlines()[0][:160])
+print(json.dumps(out))
+"""
+
+
+def probe_peers(python: str | None) -> dict[str, str]:
+    """Distribution -> version, or ``"unusable: <why>"``, or ``"not installed"``, per peer."""
+    dists = [dist for _mod, dist in PEERS.values()]
+    if python is None:
+        return {d: "not installed (no peers environment: make peers)" for d in dists}
+    proc = subprocess.run([python, "-c", _PROBE % (list(PEERS.values()),)], capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
+    try:
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        found = {}
+    return {d: found.get(d, f"not installed in {python}") for d in dists}
+
+
+def usable(version: str) -> bool:
+    """A probe answer that names a version (the peer imports)."""
+    return not version.startswith(("unusable", "not installed"))
 
 
 def dist_version(name: str) -> str:

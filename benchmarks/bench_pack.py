@@ -14,7 +14,11 @@ order rotated each round):
   ``{"__key__", "jpg", "cls"}`` samples.  It runs in a child process (so its memory is measurable
   and does not mix with this script's), timed *inside* the child around listing, reading and
   writing: ``import webdataset`` (which imports torch, ~2 s) is left out of its figure, so the
-  comparison favours webdataset.  The child's whole wall time is reported as ``process_seconds``.
+  comparison favours webdataset.  The child's whole wall time is reported as ``process_seconds``;
+* ``mosaic_mdswriter`` (``streaming.MDSWriter``, 64 MB shards) and ``litdata_optimize``
+  (``litdata.optimize``, 64 MB chunks, one worker), where the peers environment (``make peers``,
+  ``benchmarks/_common.py``) imports them: timed like webdataset, inside a child of the peers
+  interpreter, import excluded.
 
 Output directories are deleted (and ``sync`` run) between runs, outside the timed region; nothing is
 dropped from the page cache.  stdout gets one JSON line per contender, then one ``summary`` line with
@@ -22,7 +26,7 @@ the ratios and target booleans; stderr gets a table.  MB = 1e6 bytes of source p
 (GNU ``time`` ``%M``; null where GNU time is missing) is the largest single-process peak in the
 contender's process tree, so with two workers it is the largest of the three processes, not their
 sum; webdataset's includes importing torch.  ``cpu_seconds`` is user+system time of the whole
-process tree, except for webdataset, where it covers the timed region only.
+process tree, except for webdataset and the peers, where it covers the timed region only.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -46,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import PEERS, peers_python, probe_peers, usable  # noqa: E402
 from benchmarks._common import add_output_args, emit  # noqa: E402
 from benchmarks._common import dist_version as _dist_version  # noqa: E402
 
@@ -189,21 +195,84 @@ def webdataset_child(src: str, out: str) -> int:
     import webdataset as wds
 
     t0, c0 = time.perf_counter(), time.process_time()
-    classes = sorted(e.name for e in os.scandir(src) if e.is_dir() and not e.name.startswith("."))
-    n = 0
+    items = _listing(src)
     with wds.ShardWriter(os.path.join(out, "%06d.tar"), maxsize=WDS_MAXSIZE, verbose=0) as sink:
-        for cls, cname in enumerate(classes):
-            cdir = os.path.join(src, cname)
-            for fname in sorted(os.listdir(cdir)):
-                if fname.startswith("."):
-                    continue
-                with open(os.path.join(cdir, fname), "rb") as f:
-                    data = f.read()
-                sink.write({"__key__": f"{cname}/{fname.split('.', 1)[0]}", "jpg": data,
-                            "cls": cls})
-                n += 1
+        for key, path, cls in items:
+            with open(path, "rb") as f:
+                data = f.read()
+            sink.write({"__key__": key, "jpg": data, "cls": cls})
+    n = len(items)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(json.dumps({"seconds": dt, "cpu_seconds": cpu, "files": n}))
+    return 0
+
+
+def _listing(src: str) -> list[tuple[str, str, int]]:
+    """``(key, path, class id)`` of every file, sorted like shardio's scan (classes, then names)."""
+    classes = sorted(e.name for e in os.scandir(src) if e.is_dir() and not e.name.startswith("."))
+    items = []
+    for cls, cname in enumerate(classes):
+        cdir = os.path.join(src, cname)
+        items += [(f"{cname}/{f.split('.', 1)[0]}", os.path.join(cdir, f), cls)
+                  for f in sorted(os.listdir(cdir)) if not f.startswith(".")]
+    return items
+
+
+def _litdata_file(item: tuple[str, str, int]) -> dict[str, Any]:
+    """``litdata.optimize`` fn: one file and its label."""
+    _key, path, label = item
+    with open(path, "rb") as f:
+        return {"jpg": f.read(), "cls": label}
+
+
+# Peer writers, run with the peers interpreter (benchmarks/_common.py): contender name -> kind.
+PEER_WRITERS = {"mosaic_mdswriter": "mosaic", "litdata_optimize": "litdata"}
+
+
+def _peer(name: str, src: str, files: int, python: str) -> Callable[[str], Run]:
+    def run(out: str) -> Run:
+        r, stdout = _timed_process([python, __file__, "--peer-child", name, src, out],
+                                   cwd=str(ROOT))
+        child = json.loads(stdout.strip().splitlines()[-1])
+        if child["files"] != files:
+            raise RuntimeError(f"{name} wrote {child['files']} samples, expected {files}")
+        r.seconds, r.cpu_seconds = child["seconds"], child["cpu_seconds"]
+        r.out_bytes = sum(_dir_bytes(d) for d, _sub, _f in os.walk(out))
+        return r
+
+    return run
+
+
+def peer_child(name: str, src: str, out: str) -> int:
+    """Write ``src`` with a peer's writer; print the timed region's seconds as JSON.
+
+    As for webdataset, listing, reading and writing are timed and the import is not:
+    ``mosaic_mdswriter`` is ``streaming.MDSWriter`` (64 MB shards, columns ``jpg: bytes``,
+    ``cls: int``, no compression, no extra hashes) in this process; ``litdata_optimize`` is
+    ``litdata.optimize`` (64 MB chunks) with one worker, the process it starts included.
+    CPU time covers this process and its children.
+    """
+    if name == "mosaic_mdswriter":
+        from streaming import MDSWriter
+    else:
+        import litdata
+
+    t0 = time.perf_counter()
+    c0, k0 = os.times(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    items = _listing(src)
+    if name == "mosaic_mdswriter":
+        with MDSWriter(out=out, columns={"jpg": "bytes", "cls": "int"}, size_limit="64mb") as w:
+            for _key, path, label in items:
+                with open(path, "rb") as f:
+                    w.write({"jpg": f.read(), "cls": label})
+    else:
+        litdata.optimize(fn=_litdata_file, inputs=items, output_dir=out, chunk_bytes="64MB",
+                         num_workers=1)
+    dt = time.perf_counter() - t0
+    c1, k1 = os.times(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (c1.user - c0.user + c1.system - c0.system
+           + k1.ru_utime - k0.ru_utime + k1.ru_stime - k0.ru_stime)
+    print(json.dumps({"seconds": dt, "cpu_seconds": cpu, "files": len(items)}))
     return 0
 
 
@@ -286,6 +355,8 @@ def summary_line(lines: dict[str, dict[str, Any]], files: int, payload: int,
         "hdf5_w1_vs_shardio_tar_w1": ratio("shardio_hdf5_w1_nofsync", w1),
         "hdf5_w2_vs_w1": ratio("shardio_hdf5_w2_nofsync", "shardio_hdf5_w1_nofsync"),
     }
+    ratios.update({f"shardio_w1_vs_{name}": ratio(w1, name) for name in PEER_WRITERS
+                   if name in lines})
     return {
         "bench": "pack", "kind": "summary", "files": files, "payload_bytes": payload,
         "payload_mb": round(payload / 1e6, 1), **cfg,
@@ -299,7 +370,8 @@ def summary_line(lines: dict[str, dict[str, Any]], files: int, payload: int,
         "notes": ("ratios of best-run files/s; shardio_w1_vs_tar, shardio_w1_vs_webdataset and w2_vs_w1 "
                   "use --no-fsync (tar and webdataset do not fsync); *_fsync ratios use shardio's "
                   "default fsync. shardio and tar timings include process start-up; webdataset's "
-                  "excludes its import (see process_seconds)."),
+                  "and the peers' (mosaic_mdswriter, litdata_optimize: peers environment) exclude "
+                  "their import (see process_seconds)."),
     }
 
 
@@ -337,6 +409,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=None, help="runs per contender (default 3)")
     add_output_args(p, f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}")
     p.add_argument("--webdataset-child", nargs=2, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--peer-child", nargs=3, metavar=("NAME", "SRC", "OUT"), help=argparse.SUPPRESS)
     return p
 
 
@@ -344,6 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.webdataset_child:
         return webdataset_child(*a.webdataset_child)
+    if a.peer_child:
+        return peer_child(*a.peer_child)
     base = QUICK if a.quick else DEFAULTS
     n_files = a.files if a.files is not None else base["files"]
     n_classes = a.classes if a.classes is not None else base["classes"]
@@ -381,6 +456,15 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, json_out: str |
     contenders.append(Contender("webdataset_shardwriter", _webdataset(src, files),
                                 {"tool": "webdataset", "fsync": False, "workers": 1,
                                  "timing": "in-process, import excluded"}))
+    python = peers_python()
+    peers = probe_peers(python)
+    for name, kind in PEER_WRITERS.items():
+        dist = PEERS[kind][1]
+        if python is not None and usable(peers[dist]):
+            contenders.append(Contender(name, _peer(name, src, files, python),
+                                        {"tool": dist, "fsync": False, "workers": 1,
+                                         "timing": "in-process, import excluded"}))
+    print("peers: " + ", ".join(f"{d} {v}" for d, v in peers.items()), file=sys.stderr)
 
     for rnd in range(repeat):
         k = rnd % len(contenders)
@@ -396,7 +480,7 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, json_out: str |
     cfg = {
         "repeat": repeat, "classes": n_classes, "cpus": os.cpu_count(),
         "python": platform.python_version(), "shardio": shardio.__version__,
-        "webdataset": _dist_version("webdataset"),
+        "webdataset": _dist_version("webdataset"), "peers_python": python, "peers": peers,
         "tar": _tool_version(["tar", "--version"]), "shard_size": SHARD_SIZE,
         "rss_method": "gnu-time %M" if GNU_TIME else "unavailable",
         # Other work on the machine skews the figures (most the 2-worker ones); a 1-minute load

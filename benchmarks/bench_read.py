@@ -92,6 +92,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import PEERS, peers_python, probe_peers, usable  # noqa: E402
 from benchmarks._common import add_output_args, emit  # noqa: E402
 from benchmarks._common import dist_version as _dist_version  # noqa: E402
 
@@ -154,50 +155,8 @@ def collate_decode(items: Sequence[tuple[Any, int, int]]) -> tuple[Any, Any, int
 COLLATE = {"raw": collate_raw, "decode": collate_decode}
 
 
-# --- peers in their own environment ------------------------------------------------------------
-# LitData and MosaicML Streaming pin dependencies shardio's environment cannot take (numpy<2.2,
-# torchvision, transformers), so they live in a second virtual environment (`make peers`:
-# .venv-peers, or $SHARDIO_PEERS_PYTHON).  Their contenders run their child process with that
-# interpreter; the per-sample functions above are the same code.
-PEERS = {"litdata": ("litdata", "litdata"), "mosaic": ("streaming", "mosaicml-streaming")}
+# --- peers (benchmarks/_common.py: their own environment, probed) ------------------------------
 MEASURED_PEERS = ("litdata", "mosaic")  # kinds this script runs when their library imports
-
-
-def peers_python() -> str | None:
-    """The peers' interpreter: ``$SHARDIO_PEERS_PYTHON``, else ``.venv-peers/bin/python``."""
-    path = os.environ.get("SHARDIO_PEERS_PYTHON") or str(ROOT / ".venv-peers" / "bin" / "python")
-    return path if os.access(path, os.X_OK) else None
-
-
-_PROBE = """
-import json, importlib.metadata as md
-out = {}
-for mod, dist in %r:
-    try:
-        __import__(mod)
-        out[dist] = md.version(dist)
-    except Exception as exc:
-        out[dist] = "unusable: %%s: %%s" %% (type(exc).__name__, str(exc).splitlines()[0][:160])
-print(json.dumps(out))
-"""
-
-
-def probe_peers(python: str | None) -> dict[str, str]:
-    """Distribution -> version, or ``"unusable: <why>"``, or ``"not installed"``, per peer."""
-    dists = [dist for _mod, dist in PEERS.values()]
-    if python is None:
-        return {d: "not installed (no peers environment: make peers)" for d in dists}
-    proc = subprocess.run([python, "-c", _PROBE % (list(PEERS.values()),)], capture_output=True,
-                          text=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
-    try:
-        found = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        found = {}
-    return {d: found.get(d, f"not installed in {python}") for d in dists}
-
-
-def usable(version: str) -> bool:
-    return not version.startswith(("unusable", "not installed"))
 
 
 def _litdata_sample(item: tuple[str, int]) -> dict[str, Any]:

@@ -91,9 +91,10 @@ PEERS = (
      "read and loader (`smallfiles`: one open/read per sample)"),
     ("webdataset", "webdataset",
      "pack (`webdataset_shardwriter`), read and loader (`wds_batched`, `wds_dataloader`)"),
-    ("MosaicML Streaming", "mosaicml-streaming", "read (`mosaic`), when it imports in the peers "
+    ("MosaicML Streaming", "mosaicml-streaming", "pack (`mosaic_mdswriter`) and read (`mosaic`), "
+     "in the peers environment (`make peers`)"),
+    ("LitData", "litdata", "pack (`litdata_optimize`) and read (`litdata`), in the peers "
      "environment (`make peers`)"),
-    ("LitData", "litdata", "read (`litdata`), in the peers environment (`make peers`)"),
 )
 
 MISSING = "missing"
@@ -558,7 +559,7 @@ def _notes(summary: Mapping[str, Any] | None) -> list[str]:
 
 PACK_ORDER = ("tar", "shardio_tar_w1_nofsync", "shardio_tar_w2_nofsync", "shardio_tar_w1_fsync",
               "shardio_tar_w2_fsync", "shardio_hdf5_w1_nofsync", "shardio_hdf5_w2_nofsync",
-              "webdataset_shardwriter")
+              "webdataset_shardwriter", "mosaic_mdswriter", "litdata_optimize")
 
 
 def pack_section(res: Results, plotter: Plotter) -> Section:
@@ -588,7 +589,8 @@ def pack_section(res: Results, plotter: Plotter) -> Section:
     return Section(lines, targets)
 
 
-READ_ORDER = ("shardio", "shardio_loader", "smallfiles", "wds_batched", "wds_dataloader")
+READ_ORDER = ("shardio", "shardio_loader", "smallfiles", "wds_batched", "wds_dataloader",
+              "litdata", "mosaic")
 MODES = ("raw", "decode")
 
 
