@@ -313,3 +313,59 @@ def test_modules_workers_would_import_are_loaded_before_they_fork(ds_path: Path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
     shutil.rmtree(out_dir, ignore_errors=True)
+
+
+class TensorBatch:
+    """collate_fn run in the worker: small tensors of several kinds beside a large one."""
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        labels = torch.tensor([int(s["cls"]) for s in items], dtype=torch.int64)
+        base = torch.arange(64, dtype=torch.float32)
+        return {
+            "keys": [s["__key__"] for s in items],
+            "labels": labels,
+            "strided": base[3:40:3],  # a view: offset and stride into a shared storage
+            "alias": base[:8],  # the same storage again
+            "half": torch.linspace(0, 1, 17, dtype=torch.bfloat16),
+            "empty": torch.empty(0, 5),
+            "grad": torch.ones(3, requires_grad=True),
+            "large": torch.zeros(1 << 15, dtype=torch.float64),  # 256 KiB: torch's path
+            "shared": torch.ones(4).share_memory_(),  # already shared: torch's path
+            "parameter": torch.nn.Parameter(torch.ones(2)),
+            "in_worker_reducer": ForkingPickler._extra_reducers[torch.Tensor].__name__,
+        }
+
+
+def test_small_tensors_of_a_worker_batch_travel_by_value(ds_path: Path) -> None:
+    import torch
+
+    torch_reducer = ForkingPickler._extra_reducers[torch.Tensor]
+    ds = shardio.ShardDataset(ds_path, shuffle=False, zero_copy=True, batch_size=8)
+    batches = list(DataLoader(ds, batch_size=8, num_workers=2, collate_fn=TensorBatch()))
+    assert len(batches) == N // 8
+    ref = _reference(ds_path)
+    base = torch.arange(64, dtype=torch.float32)
+    for b in batches:
+        # The worker sent its batch with shardio's reducer; this process kept torch's.
+        assert b["in_worker_reducer"] == "_reduce_tensor"
+        assert torch.equal(b["labels"], torch.tensor([int(ref[k]["cls"]) for k in b["keys"]]))
+        assert torch.equal(b["strided"], base[3:40:3])
+        assert b["strided"].stride() == (3,) and b["strided"].storage_offset() == 3
+        # Each small tensor carries its own copy of the storage (documented): equal values,
+        # but no longer the same storage as "strided".
+        assert torch.equal(b["alias"], base[:8])
+        assert b["half"].dtype == torch.bfloat16
+        assert torch.equal(b["half"], torch.linspace(0, 1, 17, dtype=torch.bfloat16))
+        assert b["empty"].shape == (0, 5)
+        assert b["grad"].requires_grad and b["grad"].is_leaf
+        for small in ("labels", "strided", "half", "grad"):
+            assert not b[small].is_shared(), small  # copied into the message
+        for big in ("large", "shared", "parameter"):
+            assert b[big].is_shared(), big  # torch's shared-memory path
+        assert isinstance(b["parameter"], torch.nn.Parameter)
+        assert torch.equal(b["large"], torch.zeros(1 << 15, dtype=torch.float64))
+        assert b["large"].untyped_storage().nbytes() > sb.SMALL_TENSOR_BYTES
+    assert ForkingPickler._extra_reducers[torch.Tensor] is torch_reducer
+    assert sb._TORCH_REDUCE == []  # nothing registered in the training process
