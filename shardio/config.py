@@ -294,9 +294,9 @@ class LoaderOptions:
 
     Args:
         ring_bytes: shared memory per worker (``"128MiB"`` accepted); ``"auto"`` (default):
-            room for 4 batches the size of the epoch's first batch (estimated from its first
-            16 samples, built once in a forked child), 8-256 MiB.  A batch larger than the ring travels through a
-            pipe (one copy, one warning) instead of failing.
+            room for 3 batches the size of the epoch's first batch (estimated from its first
+            16 samples, built once in a forked child), 8-256 MiB.  A batch larger than the
+            ring travels through a pipe (one copy, one warning) instead of failing.
         shm_dir: directory for the rings (default ``/dev/shm``); any file-backed directory works
             where ``/dev/shm`` is small.
         cpus: CPUs to pin workers to, one each, round-robin (e.g. the cores of one NUMA node);
