@@ -88,6 +88,8 @@ from benchmarks._common import add_output_args, emit  # noqa: E402
 
 from benchmarks.bench_read import (
     BATCH,
+    LOADER_DESC as READ_DESC,
+    MEASURED_PEERS,
     WORKERS,
     ImageFolderBytes,
     TreeSampler,
@@ -108,7 +110,7 @@ E2E_LOADERS = ("shardloader", "shardio_dataloader", "smallfiles", "wds_batched",
 MODES = ("raw", "decode")
 READ_KIND = {"shardloader": "shardio_loader", "shardio_dataloader": "shardio",
              "smallfiles": "smallfiles", "wds_batched": "wds_batched",
-             "wds_dataloader": "wds_dataloader"}
+             "wds_dataloader": "wds_dataloader", "litdata": "litdata", "mosaic": "mosaic"}
 TARGETS = {"transfer_vs_dataloader": 3.0, "raw_vs_smallfiles": 5.0, "decode_vs_ceiling": 0.95}
 PAGE = 4096
 
@@ -127,6 +129,8 @@ LOADER_DESC = {
                              ".batched(256), batch_size=None)"),
     ("e2e", "wds_dataloader"): ("DataLoader(WebDataset(tars).shuffle(1000).to_tuple().map(f), "
                                 "batch_size=256)"),
+    ("e2e", "litdata"): READ_DESC["litdata"],
+    ("e2e", "mosaic"): READ_DESC["mosaic"],
     ("ceiling", "decode_ceiling"): ("multiprocessing fork Pool(2).map(decode_item over one half "
                                     "of the in-memory sample bytes)"),
 }
@@ -379,7 +383,9 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
     Raises:
         RuntimeError: the child failed (its stderr is included).
     """
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], check=False,
+    # A peer's contender runs with the peers interpreter (bench_read.py, benchmarks/_common.py).
+    python = spec.get("python") or sys.executable
+    proc = subprocess.run([python, __file__, "--child", json.dumps(spec)], check=False,
                           capture_output=True, text=True, cwd=str(ROOT), stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise RuntimeError(f"{spec['section']}/{spec['loader']} run exited {proc.returncode}:\n"
@@ -525,6 +531,10 @@ def summary_line(lines: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> dict[
         "decode_pss_shardloader_vs_smallfiles": ratio("decode_shardloader", "decode_smallfiles",
                                                       "peak_pss_mb"),
     }
+    for peer in MEASURED_PEERS:
+        if f"raw_{peer}" in lines:
+            ratios.update({f"{m}_{who}_vs_{peer}": ratio(f"{m}_{who}", f"{m}_{peer}")
+                           for m in MODES for who in ("shardloader", "shardio_dataloader")})
     return {
         "bench": "loader", "kind": "summary", **cfg,
         "webdataset_setup": wds,
@@ -644,12 +654,16 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, side: int, shar
 
     contenders = [Contender("transfer", ld, "transfer", t) for t in TOUCHES
                   for ld in TRANSFER_LOADERS]
-    contenders += [Contender("e2e", ld, m) for m in MODES for ld in E2E_LOADERS]
+    peers = [k for k in MEASURED_PEERS if data.get(k)]  # where the peers environment has them
+    for k in peers:
+        base_spec[k] = data[k]
+    contenders += [Contender("e2e", ld, m) for m in MODES for ld in (*E2E_LOADERS, *peers)]
     contenders.append(Contender("ceiling", "decode_ceiling", "decode"))
     for rnd in range(repeat):
         k = rnd % len(contenders)
         for c in contenders[k:] + contenders[:k]:
-            c.runs.append(_run_child({**base_spec, **c.spec()}))
+            peer = {"python": data["peers_python"]} if c.loader in MEASURED_PEERS else {}
+            c.runs.append(_run_child({**base_spec, **c.spec(), **peer}))
             ep = c.measured(c.runs[-1])
             print(f"  round {rnd + 1}/{repeat} {c.name}: {ep['seconds']:.3f}s "
                   f"({ep['samples'] / ep['seconds']:.0f} samples/s, "
@@ -667,6 +681,7 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, side: int, shar
         "cpus": os.cpu_count(), "python": platform.python_version(),
         "shardio": shardio.__version__, "torch": _dist_version("torch"),
         "webdataset": _dist_version("webdataset"), "pillow": _dist_version("pillow"),
+        "peers_python": data["peers_python"], "peers": data["peers"],
     }
     lines = [contender_line(c, cfg) for c in contenders]
     summary = summary_line({ln["name"]: ln for ln in lines}, cfg)

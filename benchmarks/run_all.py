@@ -91,9 +91,9 @@ PEERS = (
      "read and loader (`smallfiles`: one open/read per sample)"),
     ("webdataset", "webdataset",
      "pack (`webdataset_shardwriter`), read and loader (`wds_batched`, `wds_dataloader`)"),
-    ("MosaicML Streaming", "mosaicml-streaming", "pack (`mosaic_mdswriter`) and read (`mosaic`), "
-     "in the peers environment (`make peers`)"),
-    ("LitData", "litdata", "pack (`litdata_optimize`) and read (`litdata`), in the peers "
+    ("MosaicML Streaming", "mosaicml-streaming", "pack (`mosaic_mdswriter`), read and loader "
+     "(`mosaic`), in the peers environment (`make peers`)"),
+    ("LitData", "litdata", "pack (`litdata_optimize`), read and loader (`litdata`), in the peers "
      "environment (`make peers`)"),
 )
 
@@ -646,7 +646,7 @@ def read_section(res: Results, plotter: Plotter) -> Section:
 
 
 LOADER_E2E_ORDER = ("shardloader", "shardio_dataloader", "smallfiles", "wds_batched",
-                    "wds_dataloader")
+                    "wds_dataloader", "litdata", "mosaic")
 
 
 def loader_section(res: Results, plotter: Plotter) -> Section:
