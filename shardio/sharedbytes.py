@@ -229,8 +229,9 @@ def _send_small_tensors_by_value() -> None:
     """In this DataLoader worker, pickle small tensors into the message (see :class:`Arena`).
 
     torch's reducer moves every tensor's storage to a fresh shared-memory segment and hands its
-    descriptor over a socket to the training process, which connects back to fetch it: ~0.3 ms
-    per tensor, a fifth of a raw epoch's time for one 2 KB label tensor a batch.  A storage of
+    descriptor over a socket to the training process, which connects back to fetch it (raw
+    epochs of 20,000 JPEGs with one 2 KB label tensor a batch: 0.255 s that way, 0.230 s by
+    value, 0.207 s with a plain list of labels).  A storage of
     at most :data:`SMALL_TENSOR_BYTES` is copied into the message instead, with its dtype,
     size, stride, offset and ``requires_grad``.  Tensors already in shared memory, larger ones,
     subclasses (``Parameter``) and non-CPU tensors keep torch's path.  Only worker processes
