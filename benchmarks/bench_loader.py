@@ -119,7 +119,8 @@ LOADER_DESC = {
     ("transfer", "dataloader"): ("DataLoader(ShardDataset(transform=FixedItem), batch_size=256, "
                                  "persistent_workers=True) (default_collate)"),
     ("e2e", "shardloader"): ("ShardLoader(ShardDataset(batch_size=256, shuffle=True, "
-                             "transform=f), batch_size=256) (default collate), closed per epoch"),
+                             "transform=f, zero_copy=True), batch_size=256) (default collate), "
+                             "closed per epoch"),
     ("e2e", "shardio_dataloader"): ("DataLoader(ShardDataset(batch_size=256, shuffle=True, "
                                     "transform=f, zero_copy=True), batch_size=256, "
                                     "collate_fn=collate_<mode>)"),

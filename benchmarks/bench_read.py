@@ -345,7 +345,7 @@ def _loader(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None]]:
         from shardio import ShardDataset, ShardLoader
 
         ds = ShardDataset(spec["shards"], batch_size=BATCH, shuffle=True, transform=ShardioItem(fn),
-                          zero_copy=kind == "shardio")
+                          zero_copy=True)
         if kind == "shardio_loader":
             ring = {"ring_bytes": spec["ring_bytes"]} if spec.get("ring_bytes") else {}
             loader = ShardLoader(ds, batch_size=BATCH, num_workers=WORKERS, **ring)
@@ -567,8 +567,9 @@ LOADER_DESC = {
                 "by litdata.optimize in 64 MB chunks)"),
     "shardio": ("DataLoader(ShardDataset(batch_size=256, shuffle=True, transform=f, "
                 "zero_copy=True), batch_size=256)"),
-    "shardio_loader": ("ShardLoader(ShardDataset(batch_size=256, shuffle=True, transform=f), "
-                       "batch_size=256) (default collate into the shared-memory ring)"),
+    "shardio_loader": ("ShardLoader(ShardDataset(batch_size=256, shuffle=True, transform=f, "
+                       "zero_copy=True), batch_size=256) (default collate into the shared-memory "
+                       "ring; raw bytes columns arrive as arrays viewing it)"),
     "smallfiles": "DataLoader(ImageFolderBytes(src), batch_size=256, shuffle=True)",
     "wds_batched": ("WebLoader(WebDataset(tars, shardshuffle=len(tars)).shuffle(1000).to_tuple()"
                     ".map(f).batched(256), batch_size=None)"),

@@ -241,22 +241,25 @@ def read_header(buf: Any) -> tuple[int, int, dict[str, float], int]:
     return kind, step, dict(zip(STAGES, times)), gen
 
 
-def read_tree(buf: np.ndarray, to_tensor: Callable[[np.ndarray], Any] | None = None) -> Any:
+def read_tree(buf: np.ndarray, to_tensor: Callable[[np.ndarray], Any] | None = None,
+              bytes_as_views: bool = False) -> Any:
     """Rebuild a message's tree with arrays viewing ``buf`` (a uint8 array over the message).
 
     Args:
         buf: the message bytes; arrays returned are views into it (zero-copy).
         to_tensor: applied to arrays that were tensors (e.g. ``torch.from_numpy``).
+        bytes_as_views: a collated column of ``bytes`` comes back as read-only ``uint8`` arrays
+            viewing ``buf`` (no copy; they keep ``buf`` alive) rather than as ``bytes`` copies.
     """
     _kind, n, _step, mlen, _p, *_t = _HEAD.unpack_from(buf, 0)
     table = [struct.unpack_from("<QQ", buf, _HEAD.size + 16 * i) for i in range(n)]
     mstart = _HEAD.size + 16 * n
     skeleton = pickle.loads(buf[mstart : mstart + mlen].tobytes())
-    return _build(skeleton, buf, table, to_tensor)
+    return _build(skeleton, buf, table, to_tensor, bytes_as_views)
 
 
 def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
-           to_tensor: Callable[[np.ndarray], Any] | None) -> Any:
+           to_tensor: Callable[[np.ndarray], Any] | None, views: bool = False) -> Any:
     # A module-level function, not a closure: a recursive closure is a reference cycle that
     # would keep ``buf`` (and so the ring region) alive until the cyclic GC runs.
     if isinstance(x, _Arr):
@@ -265,16 +268,22 @@ def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
         return to_tensor(arr) if (x.tensor and to_tensor is not None) else arr
     if isinstance(x, _Bytes):
         off, nbytes = table[x.data]
-        data = memoryview(buf[off : off + nbytes])
         boff, bbytes = table[x.bounds]
         bounds = buf[boff : boff + bbytes].view(np.int64).tolist()
+        if views:
+            # Plain ndarrays (a subclass instance would be tracked by the cyclic GC), read-only;
+            # their base chain holds ``buf``, and with it the message's place in the ring.
+            col = buf[off : off + nbytes].view(np.ndarray)
+            col.flags.writeable = False
+            return [col[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        data = memoryview(buf[off : off + nbytes])
         return [bytes(data[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     if isinstance(x, dict):
-        return {k: _build(v, buf, table, to_tensor) for k, v in x.items()}
+        return {k: _build(v, buf, table, to_tensor, views) for k, v in x.items()}
     if isinstance(x, list):
-        return [_build(v, buf, table, to_tensor) for v in x]
+        return [_build(v, buf, table, to_tensor, views) for v in x]
     if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        return tuple(_build(v, buf, table, to_tensor) for v in x)
+        return tuple(_build(v, buf, table, to_tensor, views) for v in x)
     return x
 
 

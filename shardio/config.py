@@ -227,12 +227,14 @@ class ReadOptions:
         canonical_nodes: C for ``order="node"`` (default: the job's node count when first
             iterated; kept in ``state_dict`` so a resumed job of another size continues the
             same order).
-        zero_copy: read samples into shared-memory chunks and yield uncompressed fields of 4 KiB
-            or more as :class:`~shardio.sharedbytes.SharedBytes` (read-only ``uint8`` arrays
-            with the buffer protocol) instead of ``bytes``: under torch's DataLoader a batch
-            then reaches the training process as one shared-memory descriptor instead of being
-            pickled through a pipe (:mod:`shardio.sharedbytes`).  ``ShardLoader`` has its own
-            zero-copy path and ignores it.
+        zero_copy: under torch's DataLoader, read samples into shared-memory chunks and yield
+            uncompressed fields of 4 KiB or more as read-only ``uint8`` numpy arrays viewing
+            them instead of ``bytes``, so a batch reaches the training process as a
+            shared-memory descriptor instead of being pickled through a pipe (small tensors of
+            the batch travel in the message; :mod:`shardio.sharedbytes`).  Under
+            ``ShardLoader`` (whose workers write batches into shared-memory rings anyway), the
+            default collate's columns of ``bytes`` reach the training loop as read-only
+            ``uint8`` arrays viewing the ring instead of being copied out of it.
     """
 
     shuffle: bool = True

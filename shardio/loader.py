@@ -343,6 +343,7 @@ class ShardLoader:
 
     def _materialize(self, ring: Any, msg: Any) -> Any:
         spilled = ring is None  # came through the worker's spill pipe: already a private copy
+        views = self.dataset.options.zero_copy  # bytes columns as arrays viewing the message
         if spilled and self.ring_bytes and len(msg.view) > self.ring_bytes - 4096:
             if not self._warned_big:
                 self._warned_big = True
@@ -351,7 +352,7 @@ class ShardLoader:
                     "shared-memory ring; such batches are copied through a pipe (slower): raise "
                     "ring_bytes", RuntimeWarning, stacklevel=3)
             self._stats.copied_out += 1
-            return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy)
+            return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views)
         if spilled or ring.held_bytes() > ring.capacity * self.options.max_held_fraction:
             if not self._warned_copy:
                 self._warned_copy = True
@@ -362,13 +363,13 @@ class ShardLoader:
                     stacklevel=3)
             self._stats.copied_out += 1
             if spilled:
-                return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy)
+                return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views)
             buf = np.frombuffer(bytearray(msg.view), dtype=np.uint8)
             ring.release(msg)
-            return read_tree(buf, torch.from_numpy)
+            return read_tree(buf, torch.from_numpy, views)
         lease = ring.array(msg, writable=True).view(_Lease)
         weakref.finalize(lease, self._released.append, (ring, msg))
-        return read_tree(lease, torch.from_numpy)
+        return read_tree(lease, torch.from_numpy, views)
 
     def __iter__(self) -> Iterator[Any]:
         pool = self._ensure_pool()
