@@ -494,6 +494,12 @@ def summary_line(lines: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> dict[
     def ratio(a: str, b: str, key: str = "samples_per_s") -> float:
         return round(get(a, key) / get(b, key), 3)
 
+    def cpu_ratio(a: str, b: str) -> float | None:
+        # CPU times come in clock ticks (10 ms): over the few batches of a --quick run a
+        # figure can read 0, and then there is no ratio to give.
+        num, den = get(a, "min_cpu_ms_per_batch"), get(b, "min_cpu_ms_per_batch")
+        return round(num / den, 3) if num > 0 and den > 0 else None
+
     wds = {m: max(("wds_batched", "wds_dataloader"), key=lambda k: get(f"{m}_{k}",
                                                                         "samples_per_s"))
            for m in MODES}
@@ -512,8 +518,8 @@ def summary_line(lines: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> dict[
         "transfer_first_epoch_shardloader_vs_dataloader": ratio(
             "transfer_pages_shardloader", "transfer_pages_dataloader",
             "first_epoch_batches_per_s"),
-        "transfer_cpu_dataloader_vs_shardloader": ratio(
-            "transfer_pages_dataloader", "transfer_pages_shardloader", "min_cpu_ms_per_batch"),
+        "transfer_cpu_dataloader_vs_shardloader": cpu_ratio(
+            "transfer_pages_dataloader", "transfer_pages_shardloader"),
         "raw_shardloader_vs_smallfiles": raw_files,
         "raw_shardloader_vs_smallfiles_median": ratio("raw_shardloader", "raw_smallfiles",
                                                       "median_samples_per_s"),

@@ -662,8 +662,10 @@ def summary_line(lines: dict[str, dict[str, Any]], growth: list[dict[str, Any]],
     def sps(name: str) -> float:
         return float(lines[name]["samples_per_s"])
 
-    def cpu_ratio(a: str, b: str) -> float:
-        return round(lines[a]["min_cpu_us_per_sample"] / lines[b]["min_cpu_us_per_sample"], 3)
+    def cpu_ratio(a: str, b: str) -> float | None:
+        # CPU times come in clock ticks (10 ms): in a --quick run a figure can read 0.
+        num, den = lines[a]["min_cpu_us_per_sample"], lines[b]["min_cpu_us_per_sample"]
+        return round(num / den, 3) if num > 0 and den > 0 else None
 
     wds_best = {m: max(("wds_batched", "wds_dataloader"), key=lambda k: sps(f"{k}_{m}"))
                 for m in MODES}

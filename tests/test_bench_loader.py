@@ -86,7 +86,8 @@ def test_quick_run_prints_contender_and_summary_lines(tmp_path: Path) -> None:
     assert set(summary["webdataset_setup"]) == {"raw", "decode"}
     assert set(summary["webdataset_setup"].values()) <= {"wds_batched", "wds_dataloader"}
     for key, v in summary["ratios"].items():
-        assert isinstance(v, float) and v > 0, key
+        # A CPU ratio is None where a --quick run's few batches read 0 clock ticks.
+        assert (isinstance(v, float) and v > 0) or (v is None and "_cpu_" in key), key
     for key in ("transfer_shardloader_vs_dataloader", "raw_shardloader_vs_smallfiles",
                 "decode_shardloader_vs_ceiling", "raw_pss_shardloader_vs_smallfiles"):
         assert key in summary["ratios"]

@@ -99,7 +99,9 @@ def test_quick_run_prints_contender_growth_and_summary_lines(tmp_path: Path) -> 
         assert isinstance(summary["ratios"][key], float) and summary["ratios"][key] > 0, key
     for key in ("shardio_rss_growth_pct", "shardio_loader_rss_growth_pct"):
         assert isinstance(summary["ratios"][key], float), key
-    assert all(isinstance(v, float) and v > 0 for v in summary["cpu_ratios"].values())
+    # None where a --quick run's CPU figure read 0 clock ticks.
+    assert all(v is None or (isinstance(v, float) and v > 0)
+               for v in summary["cpu_ratios"].values())
     assert set(summary["targets"]) == TARGETS
     assert all(isinstance(v, bool) for v in summary["targets"].values())
     assert "contender" in proc.stderr and "targets:" in proc.stderr  # the human-readable table
