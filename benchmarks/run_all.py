@@ -774,10 +774,17 @@ def _status(name: str, res: Results, run: Mapping[str, Any] | None) -> str:
     return "results present, no run record" if res.present else MISSING
 
 
-def _machine_lines(machine: Mapping[str, Any] | None, recorded: bool) -> list[str]:
+def _machine_lines(machine: Mapping[str, Any] | None, recorded: bool,
+                   probed: Mapping[str, Any] | None = None) -> list[str]:
+    """The machine table; ``probed``: the peers environment's versions (``summary.peers`` of
+    the read benchmark), shown where this environment lacks the distribution."""
     if not machine:
         return [f"Machine: {MISSING}", ""]
-    v = machine.get("versions") or {}
+    v = dict(machine.get("versions") or {})
+    for name, version in (probed or {}).items():
+        if not v.get(name) and isinstance(version, str) and not version.startswith(
+                ("unusable", "not installed")):
+            v[name] = f"{version} (peers environment)"
     rows = [
         ("recorded", fmt(machine.get("date")) + ("" if recorded else
                                                  " (at report time: no runs.json)")),
@@ -852,7 +859,7 @@ def build_report(results_dir: str | os.PathLike[str], *, plots: bool = True) -> 
     head += ["## Peers", "",
              "What the scripts compare shardio with, as installed where the suite ran:", "",
              *md_table(("peer", "distribution", "version", "measured by"), peers), ""]
-    head += _machine_lines(machine, recorded)
+    head += _machine_lines(machine, recorded, probed)
 
     body: list[str] = []
     for name, bench in BENCHES.items():

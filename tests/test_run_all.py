@@ -238,3 +238,13 @@ def test_quick_stage_end_to_end(tmp_path: Path) -> None:
     if run_all.Plotter(out).available:
         assert (out / "stage_epochs.png").read_bytes()[:8] == PNG
     assert (out / "stage.log").stat().st_size > 0
+
+
+def test_machine_table_names_the_peers_environment_versions() -> None:
+    """A peer missing from this environment but probed in the peers one shows that version."""
+    machine = {"versions": {"shardio": "0.1.0", "litdata": None}, "date": "2026-11-29"}
+    probed = {"mosaicml-streaming": "0.13.0", "litdata": "unusable: ImportError: no"}
+    table = "\n".join(run_all._machine_lines(machine, True, probed))
+    assert "| mosaicml-streaming | 0.13.0 (peers environment) |" in table
+    assert "| litdata | not installed |" in table  # unusable there: not a version
+    assert "| shardio | 0.1.0 |" in table
