@@ -10,7 +10,7 @@ json jsn                           parsed JSON
 txt text                           ``str``
 npy                                ``numpy.ndarray`` (``allow_pickle=False``)
 pickle pyd pkl                     unpickled object, only with ``allow_pickle=True``
-anything else                      unchanged (``bytes``; ``SharedBytes`` with zero_copy)
+anything else                      unchanged (``bytes``; a read-only ``uint8`` array with zero_copy)
 =================================  ======================================================
 
 Unpickling runs arbitrary code, so a pickle field without ``allow_pickle=True`` raises
@@ -52,7 +52,7 @@ def decode_field(name: str, data: bytes, *, allow_pickle: bool = False,
     if ext in IMAGE_EXTENSIONS:
         return _image(data, image_mode)
     if not isinstance(data, bytes) and (ext in _INT or ext in _TEXTUAL or ext in _PICKLE):
-        data = bytes(data)  # a SharedBytes view (zero_copy=True): parsers want bytes
+        data = bytes(data)  # an array viewing shared memory (zero_copy=True): parsers want bytes
     if ext in _INT:
         return int(data)
     if ext in ("json", "jsn"):

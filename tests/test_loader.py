@@ -440,8 +440,9 @@ def test_one_batch_kept_forever_pins_nothing(images: tuple[Path, dict[str, np.nd
     """A single kept batch blocks its ring's space from being reused in order (the ring frees
     space in stream order); the loader must still get through several epochs, not hang."""
     root, pixels, labels = images
-    # ~4 batches per ring; the loop holds at most 2 of them (the kept one and the current one),
-    # under max_held_fraction, so only the spill path can get the worker past the kept batch.
+    # A 48 KiB ring holds ~4 batches; the loop holds at most 2 of them (the kept one and the
+    # current one), under max_held_fraction, so only the spill path can get the worker past the
+    # kept batch.
     loader = make_loader(ShardDataset(root, seed=8, decode=True), 4, ring_bytes="48KiB", **FAST)
     first = None
     with warnings.catch_warnings(record=True) as caught:
