@@ -218,13 +218,6 @@ def _listing(src: str) -> list[tuple[str, str, int]]:
     return items
 
 
-def _litdata_file(item: tuple[str, str, int]) -> dict[str, Any]:
-    """``litdata.optimize`` fn: one file and its label."""
-    _key, path, label = item
-    with open(path, "rb") as f:
-        return {"jpg": f.read(), "cls": label}
-
-
 # Peer writers, run with the peers interpreter (benchmarks/_common.py): contender name -> kind.
 PEER_WRITERS = {"mosaic_mdswriter": "mosaic", "litdata_optimize": "litdata"}
 
@@ -246,33 +239,30 @@ def _peer(name: str, src: str, files: int, python: str) -> Callable[[str], Run]:
 def peer_child(name: str, src: str, out: str) -> int:
     """Write ``src`` with a peer's writer; print the timed region's seconds as JSON.
 
-    As for webdataset, listing, reading and writing are timed and the import is not:
-    ``mosaic_mdswriter`` is ``streaming.MDSWriter`` (64 MB shards, columns ``jpg: bytes``,
-    ``cls: int``, no compression, no extra hashes) in this process; ``litdata_optimize`` is
-    ``litdata.optimize`` (64 MB chunks) with one worker, the process it starts included.
-    CPU time covers this process and its children.
+    The writers are ``bench_read.py``'s conversions, timed here like webdataset's (listing,
+    reading and writing timed, the import not): ``mosaic_mdswriter`` is ``streaming.MDSWriter``
+    (64 MB shards, columns ``jpg: bytes``, ``cls: int``, no compression, no extra hashes) in
+    this process; ``litdata_optimize`` is ``litdata.optimize`` (64 MB chunks) with one worker,
+    the process it starts included.  CPU time covers this process and its children.
     """
+    from benchmarks.bench_read import convert_litdata, convert_mosaic
+
     if name == "mosaic_mdswriter":
-        from streaming import MDSWriter
+        import streaming  # noqa: F401  (imported outside the timed region)
     else:
-        import litdata
+        import litdata  # noqa: F401
 
     t0 = time.perf_counter()
     c0, k0 = os.times(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    items = _listing(src)
     if name == "mosaic_mdswriter":
-        with MDSWriter(out=out, columns={"jpg": "bytes", "cls": "int"}, size_limit="64mb") as w:
-            for _key, path, label in items:
-                with open(path, "rb") as f:
-                    w.write({"jpg": f.read(), "cls": label})
+        n = convert_mosaic(src, out)
     else:
-        litdata.optimize(fn=_litdata_file, inputs=items, output_dir=out, chunk_bytes="64MB",
-                         num_workers=1)
+        n = convert_litdata(src, out, workers=1)
     dt = time.perf_counter() - t0
     c1, k1 = os.times(), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (c1.user - c0.user + c1.system - c0.system
            + k1.ru_utime - k0.ru_utime + k1.ru_stime - k0.ru_stime)
-    print(json.dumps({"seconds": dt, "cpu_seconds": cpu, "files": len(items)}))
+    print(json.dumps({"seconds": dt, "cpu_seconds": cpu, "files": n}))
     return 0
 
 

@@ -166,24 +166,29 @@ def _litdata_sample(item: tuple[str, int]) -> dict[str, Any]:
         return {"jpg": f.read(), "cls": label}
 
 
-def convert_litdata(src: str, out: str) -> None:
-    """Write the tree as a LitData dataset (64 MB chunks, like the shards); peers python."""
+def convert_litdata(src: str, out: str, workers: int = WORKERS) -> int:
+    """Write the tree as a LitData dataset (64 MB chunks, like the shards) with ``workers``
+    processes; return the samples written.  Peers python (``bench_pack.py`` times it too)."""
     import litdata
 
     items = ImageFolderBytes(src, raw_item).samples
     litdata.optimize(fn=_litdata_sample, inputs=items, output_dir=out, chunk_bytes="64MB",
-                     num_workers=WORKERS)
+                     num_workers=workers)
+    return len(items)
 
 
-def convert_mosaic(src: str, out: str) -> None:
+def convert_mosaic(src: str, out: str) -> int:
     """Write the tree as a MosaicML Streaming (MDS) dataset, 64 MB shards, no compression and no
-    extra hashes (shardio's own checksums are on in its contenders); peers python."""
+    extra hashes (shardio's own checksums are on in its contenders); return the samples
+    written.  Peers python (``bench_pack.py`` times it too)."""
     from streaming import MDSWriter
 
+    items = ImageFolderBytes(src, raw_item).samples
     with MDSWriter(out=out, columns={"jpg": "bytes", "cls": "int"}, size_limit="64mb") as w:
-        for path, label in ImageFolderBytes(src, raw_item).samples:
+        for path, label in items:
             with open(path, "rb") as f:
                 w.write({"jpg": f.read(), "cls": label})
+    return len(items)
 
 
 PEER_CONVERT = {"litdata": convert_litdata, "mosaic": convert_mosaic}
