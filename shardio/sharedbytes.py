@@ -231,9 +231,9 @@ def _send_small_tensors_by_value() -> None:
     torch's reducer moves every tensor's storage to a fresh shared-memory segment and hands its
     descriptor over a socket to the training process, which connects back to fetch it (raw
     epochs of 20,000 JPEGs with one 2 KB label tensor a batch: 0.255 s that way, 0.230 s by
-    value, 0.207 s with a plain list of labels).  A storage of
-    at most :data:`SMALL_TENSOR_BYTES` is copied into the message instead, with its dtype,
-    size, stride, offset and ``requires_grad``.  Tensors already in shared memory, larger ones,
+    value, 0.207 s with a plain list of labels).  A storage of at most
+    :data:`SMALL_TENSOR_BYTES` is copied into the message instead, with its dtype, size,
+    stride, offset and ``requires_grad``.  Tensors already in shared memory, larger ones,
     subclasses (``Parameter``) and non-CPU tensors keep torch's path.  Only worker processes
     register this, and only their batches go through it: nothing reads a worker's copy after
     it is sent, so no caller can tell that the storage was not shared, except that two small
@@ -344,6 +344,11 @@ class Arena:
         self.allocated = 0  # chunks created in this process (reuse keeps it small)
 
     def _is_shared(self) -> bool:
+        """Whether chunks must be shared memory: inside a DataLoader worker (unless forced).
+
+        The first time it finds itself in a worker it also switches that worker's pickler to
+        sending small tensors by value: this runs before the worker's first read, so before
+        its first batch is pickled, and in no process other than a zero_copy worker."""
         if self.shared is not None:
             return self.shared
         from torch.utils.data import get_worker_info
