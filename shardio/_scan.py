@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 import stat as stat_mod
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 from .errors import (
     BrokenSymlinkError,
@@ -27,7 +26,7 @@ from .errors import (
     UsageError,
 )
 
-__all__ = ["Sample", "ScanResult", "scan_source"]
+__all__ = ["Sample", "ScanResult", "Walk", "scan_source"]
 
 LABEL_FIELD = "cls"
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -79,18 +78,70 @@ def _utf8(rel: str, problem: _Problems) -> bool:
     return True
 
 
+def _no_extension(path: str) -> SourceError:
+    return SourceError(f"{path} has no extension, so it has no field name; rename it (e.g. add "
+                       ".bin) or pass --on-error skip")
+
+
+def _no_class_dir(key: str) -> SourceError:
+    return SourceError(f"sample {key!r} is not inside a class folder, so --label-from-dir cannot "
+                       "label it; move it into SRC/<class>/ or pass --on-error skip")
+
+
+def _has_label_file(key: str) -> DuplicateKeyError:
+    return DuplicateKeyError(f"sample {key!r} already has a {LABEL_FIELD!r} file, which "
+                             "--label-from-dir would overwrite; drop one of them")
+
+
 # (directory relative to SRC, file name, path, size, mtime_ns)
 _Found = tuple[str, str, str, int, int]
 _File = tuple[str, str, int, int]  # (field, path, size, mtime_ns), as in Sample.files
 
 
-def _walk(src: str, out: str, problem: _Problems) -> list[_Found]:
-    found: list[_Found] = []
-    out_real = os.path.realpath(out)
-    by_name = attrgetter("name")
-    isdir, isreg = stat_mod.S_ISDIR, stat_mod.S_ISREG
+class Walk:
+    """The samples under ``src``, yielded in key order while the tree is still being walked.
 
-    def visit(path: str, rel: str, ancestors: frozenset[tuple[int, int]]) -> None:
+    A pack can plan and write its first shards before the last directory is listed (on a
+    parallel filesystem the scan of millions of files is minutes of metadata traffic).  Key
+    order comes out of a depth-first walk because each directory's entries are visited sorted by
+    where their keys fall: a file by its stem, a subdirectory ``d`` by ``d + "/"`` (every key
+    below it starts with that, and no stem holds a ``/``), which is exactly the order of
+    ``sorted()`` over the full keys.  With ``label_from_dir``, ``labels`` (every top-level
+    folder, sorted: a sample's label is its folder's position) is set once the top level is
+    listed; ``files`` and ``skipped`` are final once the iteration ends.
+
+    Raises (while iterating):
+        EmptySourceError, BrokenSymlinkError, SymlinkLoopError, NonUtf8NameError,
+        UnreadableFileError, SourceError, DuplicateKeyError: per the ``on_error`` policy.
+    """
+
+    def __init__(self, src: str, out: str, *, label_from_dir: bool, on_error: str) -> None:
+        self.src, self.label_from_dir = src, label_from_dir
+        self.out_real = os.path.realpath(out)
+        self.problem = _Problems(on_error)
+        self.labels: list[str] | None = [] if label_from_dir else None
+        self.files = 0
+        self.samples = 0
+
+    @property
+    def skipped(self) -> Counter[str]:
+        return self.problem.skipped
+
+    def __iter__(self) -> Iterator[Sample]:
+        root = os.stat(self.src)
+        yield from self._visit(self.src, "", frozenset({(root.st_dev, root.st_ino)}), None)
+        if not self.samples:
+            raise EmptySourceError(
+                f"no sample files found in {self.src}"
+                + (f"; skipped: {dict(self.skipped)}" if self.skipped else "")
+                + "; point SRC at the directory holding the files (hidden files are ignored)"
+            )
+
+    def _visit(self, path: str, rel: str, ancestors: frozenset[tuple[int, int]],
+               cls: int | None) -> Iterator[Sample]:
+        """Samples below directory ``path`` (``rel`` relative to SRC); ``cls`` is the label of
+        the class folder it lies in (with ``label_from_dir``)."""
+        problem = self.problem
         # The directory is listed through a descriptor so that each entry's stat is an fstatat
         # relative to it, not a walk of the whole path again (~20% of a scan).
         try:
@@ -103,20 +154,56 @@ def _walk(src: str, out: str, problem: _Problems) -> list[_Found]:
         try:
             try:
                 with os.scandir(dfd) as it:
-                    entries = sorted(it, key=by_name)
+                    entries = list(it)
             except OSError as exc:
                 problem("unreadable", UnreadableFileError(
                     exc.errno, f"cannot list directory {path}: {exc.strerror}; fix its permissions "
                     "or pass --on-error skip"))
                 return
-            scan_dir(path, dfd, rel, ancestors, entries)
+            groups, subdirs = self._list(path, dfd, rel, ancestors, entries)
         finally:
             os.close(dfd)
+        prefix = f"{rel}/" if rel else ""
+        top = self.label_from_dir and not rel
+        if top:
+            # Every class folder gets an id, empty or not, in sorted order (torchvision's
+            # ImageFolder rule), so that ids are known before the folders are walked.
+            self.labels = sorted(place[:-1] for place in subdirs)
+            ids = {name: i for i, name in enumerate(self.labels)}
+        for place in sorted([*groups, *subdirs]):
+            if place[-1] == "/":
+                full, ident = subdirs[place]
+                name = place[:-1]
+                yield from self._visit(full, prefix + name, ancestors | {ident},
+                                       ids[name] if top else cls)
+                continue
+            have = groups[place]
+            key = prefix + place
+            fl = [have[f] for f in sorted(have)] if len(have) > 1 else list(have.values())
+            if not self.label_from_dir:
+                self.samples += 1
+                yield Sample(key, fl)
+                continue
+            if cls is None:
+                problem("no_class_dir", _no_class_dir(key))
+                continue
+            if LABEL_FIELD in have:
+                problem("duplicate_key", _has_label_file(key))
+                continue
+            self.samples += 1
+            yield Sample(key, fl, cls)
 
-    def scan_dir(path: str, dfd: int, rel: str, ancestors: frozenset[tuple[int, int]],
-                 entries: list[os.DirEntry[str]]) -> None:
+    def _list(self, path: str, dfd: int, rel: str, ancestors: frozenset[tuple[int, int]],
+              entries: list[os.DirEntry[str]]
+              ) -> tuple[dict[str, dict[str, _File]], dict[str, tuple[str, tuple[int, int]]]]:
+        """Stat a directory's entries: its files grouped by stem (``{stem: {field: file}}``) and
+        its subdirectories (``{name + "/": (path, (dev, ino))}``)."""
+        problem = self.problem
         prefix = f"{rel}/" if rel else ""
         base = path if path.endswith(os.sep) else path + os.sep  # os.path.join(path, name)
+        isdir, isreg = stat_mod.S_ISDIR, stat_mod.S_ISREG
+        groups: dict[str, dict[str, _File]] = {}
+        subdirs: dict[str, tuple[str, tuple[int, int]]] = {}
         for e in entries:
             name = e.name
             if name[0] == ".":
@@ -144,28 +231,29 @@ def _walk(src: str, out: str, problem: _Problems) -> list[_Found]:
                 continue
             mode = st.st_mode
             if isreg(mode):
-                found.append((rel, name, base + name, st.st_size, st.st_mtime_ns))
+                self.files += 1
+                stem, dot, ext = name.partition(".")
+                if not dot:
+                    problem("no_extension", _no_extension(base + name))
+                    continue
+                entry = (ext, base + name, st.st_size, st.st_mtime_ns)
+                have = groups.get(stem)
+                if have is None:
+                    groups[stem] = {ext: entry}
+                else:
+                    have[ext] = entry  # names are unique in a directory: so is (stem, ext)
             elif isdir(mode):
                 full = base + name
                 ident = (st.st_dev, st.st_ino)
                 if ident in ancestors:
                     problem("symlink_loop", SymlinkLoopError(
-                        40, f"{full} links back to a directory above it ({os.path.realpath(full)}); "
-                        "remove the link or pass --on-error skip"))
+                        40, f"{full} links back to a directory above it "
+                        f"({os.path.realpath(full)}); remove the link or pass --on-error skip"))
                     continue
-                if os.path.realpath(full) == out_real:
+                if os.path.realpath(full) == self.out_real:
                     continue
-                visit(full, prefix + name, ancestors | {ident})
-
-    root = os.stat(src)
-    try:
-        visit(src, "", frozenset({(root.st_dev, root.st_ino)}))
-    finally:
-        # visit and scan_dir refer to each other (a reference cycle through their closures,
-        # which hold ``found``): break it, or only the cyclic collector would free the walk's
-        # 20,000 entries later, traversing them all (~10 ms).
-        visit = scan_dir = None  # type: ignore[assignment]
-    return found
+                subdirs[name + "/"] = (full, ident)
+        return groups, subdirs
 
 
 def _from_list(src: str, list_path: str, problem: _Problems) -> list[_Found]:
@@ -224,15 +312,17 @@ def scan_source(
         EmptySourceError, DuplicateKeyError, BrokenSymlinkError, SymlinkLoopError,
         NonUtf8NameError, UnreadableFileError: per the ``on_error`` policy.
     """
+    if not files_from:
+        walk = Walk(src, out, label_from_dir=label_from_dir, on_error=on_error)
+        samples = list(walk)
+        return ScanResult(samples, walk.labels, walk.files, walk.skipped)
     problem = _Problems(on_error)
-    files = _from_list(src, files_from, problem) if files_from else _walk(src, out, problem)
+    files = _from_list(src, files_from, problem)
     # key -> its one file (the common case: no dict per key), or {field: file} for several.
     by_key: dict[str, _File | dict[str, _File]] = {}
     for d, base, path, size, mtime in files:
         if "." not in base:
-            problem("no_extension", SourceError(
-                f"{path} has no extension, so it has no field name; rename it (e.g. add .bin) or "
-                "pass --on-error skip"))
+            problem("no_extension", _no_extension(path))
             continue
         stem, ext = base.split(".", 1)
         key = f"{d}/{stem}" if d else stem
@@ -270,14 +360,10 @@ def scan_source(
             continue
         cls, slash, _rest = key.partition("/")
         if not slash:
-            problem("no_class_dir", SourceError(
-                f"sample {key!r} is not inside a class folder, so --label-from-dir cannot label "
-                "it; move it into SRC/<class>/ or pass --on-error skip"))
+            problem("no_class_dir", _no_class_dir(key))
             continue
         if has_label_file:
-            problem("duplicate_key", DuplicateKeyError(
-                f"sample {key!r} already has a {LABEL_FIELD!r} file, which --label-from-dir "
-                "would overwrite; drop one of them"))
+            problem("duplicate_key", _has_label_file(key))
             continue
         append(Sample(key, fl, cls_id[cls]))
     if not samples:

@@ -59,9 +59,7 @@ import errno
 import functools
 import os
 import re
-import shutil
 import struct
-import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -182,6 +180,10 @@ class FsProbe:
 
     def lfs(self, *args: str, timeout: float = 10) -> str | None:
         """Run ``lfs ARGS`` and return its stdout; None if ``lfs`` is not on PATH or fails."""
+        # Imported here: off Lustre nothing runs lfs, and a pack would pay ~4 ms to import them.
+        import shutil
+        import subprocess
+
         exe = shutil.which("lfs")
         if exe is None:
             return None

@@ -1,13 +1,20 @@
 """``shardio pack``: turn a tree of small files into checksummed shards plus a manifest.
 
 Pipeline: scan SRC into key-sorted samples → plan shard boundaries from file sizes (so the plan,
-and therefore every output byte, is independent of the worker count) → write shards in parallel
-processes, each to a temp name, fsynced and renamed → write the manifest last, atomically.
+and therefore every output byte, is independent of the worker count) → write shards in forked
+processes, each to a temp name, fsynced and renamed → write the manifest last, atomically.  A
+fresh pack of a directory tree streams (:func:`_pack_streaming`): the walk yields samples in key
+order, and each shard is planned and handed to a worker as soon as it is full, while the walk
+goes on; every other pack (resume, ``--overwrite`` of a non-empty OUT, ``--files-from``,
+``--zstd-dict``, ``--part``) scans first.  Both plan with :class:`_Planner`, so they write the
+same bytes.
 
 Resumability: a state file ``.shardio-pack.json`` records the job fingerprint (options that shape
-the output plus every input path, size and mtime).  Rerunning the same command finds it, removes
-temp files left by a killed run, keeps every shard whose index carries this job's shard
-fingerprint and whose bytes still hash to the same digest, and writes only the rest.
+the output plus every input path, size and mtime; ``null`` while a streaming pack still scans)
+and a fingerprint of the output options.  Each shard's index records a fingerprint of its own
+samples' entries and the options (``job_shard``).  Rerunning the same command finds the state,
+removes temp files left by a killed run, keeps every shard whose fingerprint matches its new
+plan and whose bytes still hash to the same digest, and writes only the rest.
 
 Multi-node pack (``PackOptions.part = (I, N)``, ``shardio pack --part I/N|auto``): every part
 scans the same input and computes the same global plan and job fingerprint (which holds neither
@@ -38,24 +45,15 @@ from __future__ import annotations
 
 import gc
 import json
-import mmap
 import os
-import pickle
 import re
-import select
 import sys
-from array import array
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import xxhash
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX
-    fcntl = None  # type: ignore[assignment]
 
 from . import __version__
 from ._fsutil import (
@@ -64,7 +62,7 @@ from ._fsutil import (
     remove_temp_files,
     translate_oserror,
 )
-from ._scan import LABEL_FIELD, Sample, ScanResult, scan_source
+from ._scan import LABEL_FIELD, Sample, ScanResult, Walk, scan_source
 from .checksum import DEFAULT_DIGEST, digest_bytes, file_digest
 from .codec import Codec, train_dictionary
 from .config import PackOptions, parse_parity
@@ -121,22 +119,22 @@ def _tar_header_size(member: str, size: int) -> int:
     return len(ustar_header(member, size))
 
 
-def _estimates(samples: list[Sample], options: PackOptions) -> list[int]:
-    """``_estimate`` of every sample, with the per-field work hoisted out of the loop."""
-    out: list[int] = []
-    append = out.append
+def _estimator(options: PackOptions) -> Callable[[Sample], int]:
+    """``_estimate`` for these options, with the per-field work hoisted out of the call."""
     if options.format != "tar":
-        for s in samples:
+        def stored(s: Sample) -> int:
             n = 4 if s.label is not None else 0
             for f in s.files:
                 n += f[2]
-            append(n)
-        return out
+            return n
+
+        return stored
     zst = ".zst" if options.codec_name else ""
-    # len(f".{name}{zst}") per field name, or -1 when it is not ASCII (then _tar_header_size).
+    # len(f".{name}{zst}") per field name, or 1000 when it is not ASCII (then _tar_header_size).
     suffix = {LABEL_FIELD: len(LABEL_FIELD) + 1 + len(zst)}
     limit = 8**11
-    for s in samples:
+
+    def tar(s: Sample) -> int:
         key = s.key
         klen = len(key) if key.isascii() else 1000
         n = 0
@@ -153,8 +151,49 @@ def _estimates(samples: list[Sample], options: PackOptions) -> list[int]:
                 n += _TAR_OVERHEAD + 512
             else:
                 n += _tar_header_size(f"{key}.{LABEL_FIELD}{zst}", 4) + 512
-        append(n)
-    return out
+        return n
+
+    return tar
+
+
+def _estimates(samples: list[Sample], options: PackOptions) -> list[int]:
+    """``_estimate`` of every sample."""
+    estimate = _estimator(options)
+    return [estimate(s) for s in samples]
+
+
+class _Planner:
+    """Greedy shard boundaries over key-ordered sample estimates, honouring both limits: what
+    :func:`plan_shards` computes over a list and the streaming pack computes as the scan goes."""
+
+    def __init__(self, options: PackOptions) -> None:
+        self.limit, self.per = options.shard_bytes, options.samples_per_shard
+        # Every tar ends with two zero blocks, which count against the limit too.
+        self.base = _TAR_END if options.format == "tar" else 0
+        self.room = self.limit - self.base if self.limit is not None else None
+        self.acc = self.count = 0
+
+    def too_large(self, size: int) -> bool:
+        """Whether a sample of this estimate fits in no shard."""
+        return self.limit is not None and self.base + size > self.limit
+
+    def error(self, key: str, size: int) -> SampleTooLargeError:
+        return SampleTooLargeError(
+            f"sample {key!r} needs {self.base + size} bytes, more than --shard-size {self.limit}; "
+            f"raise --shard-size to at least {self.base + size} bytes, or pass --on-error skip "
+            "to leave it out"
+        )
+
+    def cut(self, size: int) -> bool:
+        """Add the next sample; True when it must open a new shard (the current one is full)."""
+        room, per = self.room, self.per
+        cut = self.count > 0 and ((room is not None and self.acc + size > room)
+                                  or (per is not None and self.count >= per))
+        if cut:
+            self.acc = self.count = 0
+        self.acc += size
+        self.count += 1
+        return cut
 
 
 def plan_shards(samples: list[Sample], options: PackOptions,
@@ -166,27 +205,18 @@ def plan_shards(samples: list[Sample], options: PackOptions,
     Raises:
         SampleTooLargeError: one sample alone exceeds ``shard_size``.
     """
-    limit, per = options.shard_bytes, options.samples_per_shard
     if sizes is None:
         sizes = _estimates(samples, options)
-    # Every tar ends with two zero blocks, which count against the limit too.
-    base = _TAR_END if options.format == "tar" else 0
-    if limit is not None and base + max(sizes, default=0) > limit:
-        s, size = next((s, n) for s, n in zip(samples, sizes) if base + n > limit)
-        raise SampleTooLargeError(
-            f"sample {s.key!r} needs {base + size} bytes, more than --shard-size {limit}; "
-            f"raise --shard-size to at least {base + size} bytes, or pass --on-error skip "
-            "to leave it out"
-        )
-    room = limit - base if limit is not None else None
+    planner = _Planner(options)
+    if sizes and planner.too_large(max(sizes)):
+        s, size = next((s, n) for s, n in zip(samples, sizes) if planner.too_large(n))
+        raise planner.error(s.key, size)
     ranges: list[tuple[int, int]] = []
-    start, acc = 0, 0
+    start = 0
     for i, size in enumerate(sizes):
-        if i > start and ((room is not None and acc + size > room)
-                          or (per is not None and i - start >= per)):
+        if planner.cut(size):
             ranges.append((start, i))
-            start, acc = i, 0
-        acc += size
+            start = i
     ranges.append((start, len(samples)))
     return ranges
 
@@ -197,12 +227,10 @@ def _drop_too_large(scan: ScanResult, options: PackOptions, sizes: list[int]) ->
     ``sizes`` are the samples' estimates; returns those of the samples kept.
     """
     limit = options.shard_bytes
-    if options.on_error != "skip" or limit is None:
+    planner = _Planner(options)
+    if options.on_error != "skip" or limit is None or not planner.too_large(max(sizes, default=0)):
         return sizes
-    base = _TAR_END if options.format == "tar" else 0
-    if base + max(sizes, default=0) <= limit:
-        return sizes
-    kept = [(s, n) for s, n in zip(scan.samples, sizes) if base + n <= limit]
+    kept = [(s, n) for s, n in zip(scan.samples, sizes) if not planner.too_large(n)]
     scan.skipped["too_large"] += len(scan.samples) - len(kept)
     scan.samples = [s for s, _n in kept]
     if not kept:
@@ -315,32 +343,75 @@ def _canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
+def _plain(text: str) -> bool:
+    """Whether ``json.dumps`` writes ``text`` as is between quotes (no escape needed)."""
+    return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
+
+
+def _sample_docs(samples: list[Sample]) -> list[str]:
+    """Each sample's entry in the job document, ``_canonical([key, label, [[field, size,
+    mtime], ...]])``, built as text (~4x faster than ``json.dumps``) unless a key or field name
+    needs a JSON escape."""
+    plain: dict[str, bool] = {}
+    out: list[str] = []
+    append = out.append
+    for s in samples:
+        key, files = s.key, s.files
+        ok = _plain(key)
+        if ok:
+            for f in files:
+                p = plain.get(f[0])
+                if p is None:
+                    p = plain[f[0]] = _plain(f[0])
+                if not p:
+                    ok = False
+                    break
+        if not ok:
+            append(_canonical([key, s.label, [[f[0], f[2], f[3]] for f in files]]))
+            continue
+        label = "null" if s.label is None else s.label
+        if len(files) == 1:
+            name, _path, size, mtime = files[0]
+            append(f'["{key}",{label},[["{name}",{size},{mtime}]]]')
+        else:
+            inner = ",".join([f'["{f[0]}",{f[2]},{f[3]}]' for f in files])
+            append(f'["{key}",{label},[{inner}]]')
+    return out
+
+
+def _job_tail(labels: list[str] | None, options_key: dict[str, Any]) -> str:
+    return f'],"labels":{_canonical(labels)},"options":{_canonical(options_key)}}}'
+
+
 def _job_document(options_key: dict[str, Any], labels: list[str] | None,
                   samples: list[Sample]) -> str:
     """``_canonical`` of the job description (the output options and every input file's key,
-    label, field, size and mtime), built as text: ~4x faster than ``json.dumps`` of the nested
-    lists, and the same string whenever no key or field name needs a JSON escape (otherwise
-    ``json.dumps`` builds it)."""
-    keys = [s.key for s in samples]
-    names = {f[0] for s in samples for f in s.files}
-    plain = "".join(keys) + "".join(names)
-    if not (plain.isascii() and plain.isprintable() and '"' not in plain and "\\" not in plain):
-        return _canonical({"options": options_key, "labels": labels, "files": [
-            [s.key, s.label, s.files and [[f[0], f[2], f[3]] for f in s.files]]
-            for s in samples]})
-    parts = []
-    append = parts.append
-    for s in samples:
-        label = "null" if s.label is None else s.label
-        files = s.files
-        if len(files) == 1:
-            name, _path, size, mtime = files[0]
-            append(f'["{s.key}",{label},[["{name}",{size},{mtime}]]]')
-        else:
-            inner = ",".join([f'["{f[0]}",{f[2]},{f[3]}]' for f in files])
-            append(f'["{s.key}",{label},[{inner}]]')
-    return (f'{{"files":[{",".join(parts)}],"labels":{_canonical(labels)},'
-            f'"options":{_canonical(options_key)}}}')
+    label, field, size and mtime); its xxh3-128 is the job fingerprint."""
+    return '{"files":[' + ",".join(_sample_docs(samples)) + _job_tail(labels, options_key)
+
+
+class _JobHash:
+    """The job fingerprint (xxh3-128 of :func:`_job_document`), fed a shard's entries at a time
+    while the streaming pack scans; the labels and options close the document."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_128(b'{"files":[')
+        self._sep = ""
+
+    def add(self, entries: str) -> None:
+        self._h.update((self._sep + entries).encode())
+        self._sep = ","
+
+    def finish(self, labels: list[str] | None, options_key: dict[str, Any]) -> str:
+        self._h.update(_job_tail(labels, options_key).encode())
+        return self._h.hexdigest()
+
+
+def _shard_fingerprint(options_text: str, number: int, entries: str) -> str:
+    """What a shard's index records (``job_shard``) for resume: its number, the output options
+    and its samples' job-document entries, so it is known before the scan ends and a rerun
+    keeps exactly the shards whose inputs are unchanged."""
+    return xxhash.xxh3_128_hexdigest(f"{options_text}|{number}|{entries}".encode())
 
 
 def _check_paths(src: str, out: str, files_from: str | None) -> None:
@@ -384,7 +455,10 @@ def _prepare_out(out: str, job: str, options: PackOptions) -> Manifest | None:
         _remove_parity(out)
         names = [n for n in names if not _ours(n, options.prefix) and n != "parity"]
     state = _read_json(os.path.join(out, STATE_NAME))
-    if state is not None and state.get("job") == job:
+    # (job None: a streaming pack stopped before its scan ended; then the options must match)
+    if state is not None and (state.get("job") == job or (
+            state.get("job") is None
+            and state.get("options") == _fingerprint(options.output_key()))):
         remove_temp_files(out)
         return None
     if MANIFEST_NAME in names and state is None:
@@ -473,12 +547,13 @@ def _dictionary(out: str, samples: list[Sample], level: int, claims: set[str]) -
     return data
 
 
-def _run_tasks(tasks: list[_Task], options: PackOptions, codec: Codec,
+def _run_tasks(tasks: Iterable[_Task], options: PackOptions, codec: Codec,
                done: Callable[[WrittenShard, Counter[str]], None],
                layout: LayoutRequest | None = None) -> None:
+    """Write ``tasks`` (a list, or the streaming pack's generator, which scans as it is
+    iterated): inline with one worker, else in forked worker processes."""
     args = (options.format, codec, options.checksum, options.fsync, options.on_error, layout)
-    workers = min(options.workers, len(tasks))
-    if workers <= 1:
+    if options.workers <= 1:
         for t in tasks:
             _n, w, sk = _pack_shard(t, *args)
             done(w, sk)
@@ -488,7 +563,7 @@ def _run_tasks(tasks: list[_Task], options: PackOptions, codec: Codec,
         from .formats.hdf5 import _h5py
 
         _h5py()
-    _run_forked(tasks, workers, args, done)
+    _run_forked(tasks, options.workers, args, done)
 
 
 def _release_buffers(fmt: str) -> None:
@@ -498,78 +573,21 @@ def _release_buffers(fmt: str) -> None:
         release_buffers()
 
 
-class _Claims:
-    """Hands every task number to exactly one of the pack's processes, in order.
-
-    The numbers sit in a pipe as 4-byte tokens written before any fork, with the write end
-    closed: a read of 4 bytes takes one token atomically, and an empty pipe reads as EOF.  A pack
-    with more tasks than a pipe can hold falls back to a fixed stride (process k takes k, k+n...).
-    A flag in shared memory stops every process from taking more (:meth:`stop`).
-    """
-
-    def __init__(self, n: int, procs: int) -> None:
-        self.n, self.procs = n, procs
-        self.fd = -1
-        self._stop = mmap.mmap(-1, 1)  # anonymous and shared: forked workers see it change
-        if n * 4 <= 1 << 20:
-            r, w = os.pipe()
-            try:
-                try:
-                    if n * 4 > 65536:
-                        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, n * 4)
-                    room = fcntl.fcntl(w, fcntl.F_GETPIPE_SZ)
-                except (AttributeError, OSError):
-                    room = 4096  # at least one page wherever F_GETPIPE_SZ is missing
-                if n * 4 <= room:
-                    os.write(w, array("I", range(n)).tobytes())
-                    r, self.fd = -1, r
-            finally:
-                os.close(w)
-                if r >= 0:
-                    os.close(r)
-        self._next = 0
-
-    def take(self, rank: int) -> int | None:
-        """The next task number for process ``rank``, or None when there is none left."""
-        if self._stop[0]:
-            return None
-        if self.fd >= 0:
-            b = os.read(self.fd, 4)
-            return array("I", b)[0] if len(b) == 4 else None
-        i = rank + self.procs * self._next
-        self._next += 1
-        return i if i < self.n else None
-
-    def stop(self) -> None:
-        """Let no process start another task."""
-        self._stop[0] = 1
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        self._stop.close()
-
-
 def _send(fd: int, obj: Any) -> None:
+    import pickle  # (imported by _run_forked before it forks; one-worker packs never need it)
+
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     view = memoryview(len(data).to_bytes(8, "little") + data)
     while view:
         view = view[os.write(fd, view):]
 
 
-def _child(rank: int, claims: _Claims, tasks: list[_Task], args: tuple[Any, ...], fd: int,
-           parent: int) -> None:
-    """A forked worker: write claimed shards, report each on ``fd``; never returns."""
+def _child(task: _Task, args: tuple[Any, ...], fd: int) -> None:
+    """A forked worker: write one shard, report it (or the error) on ``fd``; never returns."""
     code = 0
     try:
-        # A worker whose parent died (SIGKILL) stops at the next shard instead of packing on.
-        while os.getppid() == parent:
-            i = claims.take(rank)
-            if i is None:
-                break
-            _n, w, sk = _pack_shard(tasks[i], *args)
-            _send(fd, (w, sk))
+        _n, w, sk = _pack_shard(task, *args)
+        _send(fd, (w, sk))
     except BaseException as exc:  # noqa: BLE001  (KeyboardInterrupt too: the parent re-raises it)
         code = 1
         try:
@@ -597,10 +615,14 @@ class _Worker:
         self.pid, self.fd = pid, fd
         self.buf = b""
         self.eof = False
+        self.reported = False  # sent its result or its error
         os.set_blocking(fd, False)
 
     def poll(self, block: bool) -> list[Any]:
         """Messages received so far; with ``block``, every message until the worker exits."""
+        import pickle
+        import select
+
         while not self.eof:
             if block:
                 select.select([self.fd], [], [])
@@ -629,70 +651,96 @@ class _Worker:
         return status
 
 
-def _run_forked(tasks: list[_Task], procs: int, args: tuple[Any, ...],
+def _run_forked(tasks: Iterable[_Task], procs: int, args: tuple[Any, ...],
                 done: Callable[[WrittenShard, Counter[str]], None]) -> None:
-    """Write ``tasks`` in ``procs`` processes: this one and ``procs - 1`` forked workers.
+    """Write ``tasks`` in up to ``procs`` forked workers, one shard each.
 
-    fork, not spawn: workers inherit the imported modules and the task list (no pickling of the
-    samples, no re-import).  No thread runs at fork time (a shard writer starts its own thread
-    per shard, later) and the progress bar has no monitor thread.  Tasks are claimed one at a
-    time (:class:`_Claims`), so a slower process takes fewer.  The first error stops every
-    process from claiming more; shards already being written are finished, then the error is
-    raised here, typed as the worker raised it (its traceback added as a note).
+    Each task gets a worker forked for it, which writes that one shard and exits: fork, not
+    spawn, so the worker inherits the imported modules and its task (no pickling of samples, no
+    re-import), and the tasks the streaming scan plans after the first workers started need no
+    channel.  This process scans (iterating ``tasks``), forks and collects; it writes nothing,
+    so it is always free to start the next worker the moment one exits.  It stops scanning while
+    ``2 * procs`` tasks wait for a worker, which bounds the memory the plan holds.  No thread
+    runs at fork time (the progress bar has no monitor thread).  The first error stops the
+    launching; the workers finish the shard in hand, then the error is raised here, typed as
+    the worker raised it (its traceback added as a note).
     """
-    claims = _Claims(len(tasks), procs)
-    parent = os.getpid()
-    workers: list[_Worker] = []
+    import pickle  # noqa: F401  (imported here, not by every pack: the workers inherit them)
+    import select
+
+    running: list[_Worker] = []
+    queue: deque[_Task] = deque()
     error: BaseException | None = None
 
+    def launch(task: _Task) -> None:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            _child(task, args, w)
+        os.close(w)
+        running.append(_Worker(pid, r))
+
     def collect(block: bool) -> None:
+        """Take the reports of the workers; reap those that exited.  With ``block``, first
+        wait until one of them has something to say."""
         nonlocal error
-        for wk in workers:
-            for msg in wk.poll(block):
+        if block and running:
+            select.select([wk.fd for wk in running], [], [])
+        for wk in list(running):
+            for msg in wk.poll(False):
+                wk.reported = True
                 if isinstance(msg[0], BaseException):
                     if error is None:
                         error = msg[0]
                         if msg[1] and hasattr(error, "add_note"):  # Python 3.11+
                             error.add_note(f"raised in pack worker {wk.pid}:\n{msg[1]}")
-                        claims.stop()
                 else:
                     done(*msg)
+            if wk.eof:
+                running.remove(wk)
+                status = wk.reap()
+                if error is None and (status != 0 or not wk.reported):
+                    error = ShardioError(
+                        f"a pack worker (pid {wk.pid}) died ({_status_text(status)}) before it "
+                        "finished; rerun the same command to resume"
+                    )
+
+    def fill() -> None:
+        while queue and error is None and len(running) < procs:
+            launch(queue.popleft())
 
     try:
-        for rank in range(1, procs):
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(r)
-                _child(rank, claims, tasks, args, w, parent)
-            os.close(w)
-            workers.append(_Worker(pid, r))
-        while error is None:
-            i = claims.take(0)
-            if i is None:
-                break
-            _n, w, sk = _pack_shard(tasks[i], *args)
-            done(w, sk)
+        for task in tasks:  # with the streaming pack, the scan runs inside this loop
             collect(False)
-        collect(True)
+            queue.append(task)
+            fill()
+            while len(queue) >= 2 * procs and error is None:  # far ahead of the writers
+                collect(True)
+                fill()
+            if error is not None:
+                break
+        while error is None and (queue or running):
+            fill()
+            collect(True)
+        while running:  # after an error: the workers finish the shard in hand
+            collect(True)
     except BaseException as exc:  # noqa: BLE001  (re-raised below, once the workers are reaped)
-        claims.stop()
         if error is None:
             error = exc
-        for wk in workers:
+        for wk in running:
             try:
                 wk.poll(True)  # they finish the shard in hand (published, not counted: we raise)
             except BaseException:  # noqa: BLE001, S110  (a second Ctrl-C: stop waiting)
                 pass
     finally:
-        for wk in workers:
+        for wk in running:
             status = wk.reap()
             if error is None and status != 0:
                 error = ShardioError(
                     f"a pack worker (pid {wk.pid}) died ({_status_text(status)}) before it "
                     "finished; rerun the same command to resume"
                 )
-        claims.close()
     if error is not None:
         raise error
 
@@ -753,19 +801,21 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
     flist = os.fspath(files_from) if files_from is not None else None
     _check_paths(src, out, flist)
     part = _parts._resolve_part(options.part)
+    if part is None and flist is None and not options.zstd_dict and not options.resume \
+            and _empty(out):
+        return _pack_streaming(src, out, options, progress)
     scan = scan_source(src, out, files_from=flist, label_from_dir=options.label_from_dir,
                        on_error=options.on_error)
     sizes = _drop_too_large(scan, options, _estimates(scan.samples, options))
     ranges = plan_shards(scan.samples, options, sizes)
     key = options.output_key()
-    job = xxhash.xxh3_128_hexdigest(_job_document(key, scan.labels, scan.samples).encode())
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as exc:
-        raise translate_oserror(exc, out, "creating") from exc
+    docs = _sample_docs(scan.samples)
+    job = xxhash.xxh3_128_hexdigest(
+        ('{"files":[' + ",".join(docs) + _job_tail(scan.labels, key)).encode())
+    _make_out(out)
     if part is not None:
         return _parts._pack_part(
-            _parts._Job(src, out, flist, options, scan, sizes, ranges, job), part, progress)
+            _parts._Job(src, out, flist, options, scan, sizes, ranges, job, docs), part, progress)
     complete = _prepare_out(out, job, options)
     if complete is not None:
         return complete
@@ -773,18 +823,130 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
     state = _read_json(state_path) or {}
     claims = {state["dictionary_digest"]} if state.get("dictionary_digest") else set()
     codec = _codec(out, scan.samples, options, claims)
-    # Without --no-fsync the state file is synced like the shards; with it, syncing this one
-    # small file would only cost a journal commit (~15 ms) and guard nothing.
-    atomic_write_bytes(state_path, json.dumps({
-        "job": job, "shards": len(ranges), "created_by": f"shardio {__version__}",
-        "dictionary_digest": digest_bytes(codec.dictionary) if codec.dictionary else None,
-    }).encode(), fsync=options.fsync)
-    tasks = _make_tasks(scan.samples, ranges, range(len(ranges)), job, out, options)
-    written, skipped, layout_note, _kept = _write_shards(
-        tasks, options, codec, out, _progress_bar(progress, tasks, f"packing {scan.files} files"))
+    _write_state(out, options, job, len(ranges), codec, fsync=options.fsync)
+    tasks = _make_tasks(scan.samples, docs, ranges, range(len(ranges)), out, options)
+    bar = _progress_bar(progress, sum(s.size for s in scan.samples), f"packing {scan.files} files")
+    written, skipped, layout_note, _kept = _write_shards(tasks, options, codec, out, bar)
     skipped.update(scan.skipped)
     return _publish(out, options, scan.labels, scan.files, codec, job, written, skipped,
                     layout_note)
+
+
+def _empty(out: str) -> bool:
+    """Whether OUT is missing or an empty directory (a fresh pack: nothing to resume)."""
+    try:
+        with os.scandir(out) as it:
+            return next(it, None) is None
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # the full path reports it
+
+
+def _make_out(out: str) -> None:
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise translate_oserror(exc, out, "creating") from exc
+
+
+def _write_state(out: str, options: PackOptions, job: str | None, shards: int | None,
+                 codec: Codec, fsync: bool) -> None:
+    """The resumable state of an unfinished pack: its job fingerprint (None while a streaming
+    pack is still scanning) and a fingerprint of its output options."""
+    # Without --no-fsync the state file is synced like the shards; with it, syncing this one
+    # small file would only cost a journal commit (~15 ms) and guard nothing.
+    atomic_write_bytes(os.path.join(out, STATE_NAME), json.dumps({
+        "job": job, "options": _fingerprint(options.output_key()), "shards": shards,
+        "created_by": f"shardio {__version__}",
+        "dictionary_digest": digest_bytes(codec.dictionary) if codec.dictionary else None,
+    }).encode(), fsync=fsync)
+
+
+def _pack_streaming(src: str, out: str, options: PackOptions, progress: bool | None) -> Manifest:
+    """A fresh pack of a directory tree that writes shards while the scan goes on.
+
+    The walk yields samples in key order (:class:`~shardio._scan.Walk`) and the planner cuts a
+    shard as soon as the next sample would overflow it, so shard ``n`` is written (by a forked
+    worker, or here between scans with one worker) before the scan of the rest of the tree
+    ends: the same shards, bytes and manifest as a pack that scans first.  The job fingerprint
+    is only known at the end of the scan, so the state file is written twice: before the first
+    shard with ``job: null`` (a rerun then resumes whatever the input: every kept shard is
+    checked against its own fingerprint), and again when the scan ends, with the job (not
+    synced: if a crash loses it, the first one still stands).  A scan error with
+    ``on_error="raise"`` (or an oversize sample) can come after some shards were published;
+    no manifest is, and a rerun after the fix resumes.
+    """
+    walk = Walk(src, out, label_from_dir=options.label_from_dir, on_error=options.on_error)
+    codec = Codec(options.codec_name, options.codec_level, None)
+    key = options.output_key()
+    job = _JobHash()
+    result: dict[str, str] = {}
+    # The total grows as the scan plans shards; the description gets the file count at its end.
+    bar = _progress_bar(progress, 0, "packing (scanning)")
+
+    def started() -> None:
+        _make_out(out)
+        _write_state(out, options, None, None, codec, fsync=options.fsync)
+
+    def scanned(shards: int) -> None:
+        result["job"] = job.finish(walk.labels, key)
+        _write_state(out, options, result["job"], shards, codec, fsync=False)
+        if bar is not None:
+            bar.set_description_str(f"packing {walk.files} files", refresh=False)
+
+    tasks = _stream_tasks(walk, options, out, job, started, scanned)
+    written, skipped, layout_note, _kept = _write_shards(tasks, options, codec, out, bar,
+                                                         grow=True)
+    skipped.update(walk.skipped)
+    return _publish(out, options, walk.labels, walk.files, codec, result["job"], written,
+                    skipped, layout_note)
+
+
+def _stream_tasks(samples: Iterable[Sample], options: PackOptions, out: str, job: _JobHash,
+                  started: Callable[[], None], scanned: Callable[[int], None]) -> Iterator[_Task]:
+    """Cut key-ordered ``samples`` into shard tasks as they come (:class:`_Planner`, the cuts
+    :func:`plan_shards` makes over the whole list); feeds ``job`` each shard's entries.
+    ``started`` runs before the first task is handed out, ``scanned(shards)`` after the last
+    sample was planned.  Oversize samples are skipped (``on_error="skip"``, counted in
+    ``samples.skipped``) or raise :class:`SampleTooLargeError`."""
+    estimate, planner = _estimator(options), _Planner(options)
+    skip = options.on_error == "skip"
+    options_text = _canonical(options.output_key())
+    suffix = shard_suffix(options.format)
+    chunk: list[Sample] = []
+    n = 0
+
+    def task() -> _Task:
+        entries = ",".join(_sample_docs(chunk))
+        job.add(entries)
+        return _Task(n, os.path.join(out, f"{options.prefix}-{n:06d}{suffix}"), chunk,
+                     _shard_fingerprint(options_text, n, entries))
+
+    for s in samples:
+        size = estimate(s)
+        if planner.too_large(size):
+            if not skip:
+                raise planner.error(s.key, size)
+            samples.skipped["too_large"] += 1  # type: ignore[attr-defined]
+            continue
+        if planner.cut(size):
+            t = task()
+            if n == 0:
+                started()
+            yield t
+            n += 1
+            chunk = []
+        chunk.append(s)
+    if not chunk:
+        raise EmptySourceError(
+            f"every sample is larger than --shard-size {options.shard_bytes}; raise --shard-size"
+        )
+    last = task()
+    if n == 0:
+        started()
+    scanned(n + 1)
+    yield last
 
 
 def _codec(out: str, samples: list[Sample], options: PackOptions, claims: set[str]) -> Codec:
@@ -794,53 +956,65 @@ def _codec(out: str, samples: list[Sample], options: PackOptions, claims: set[st
     return Codec(options.codec_name, options.codec_level, dictionary)
 
 
-def _make_tasks(samples: list[Sample], ranges: list[tuple[int, int]], numbers: range, job: str,
-                out: str, options: PackOptions) -> list[_Task]:
+def _make_tasks(samples: list[Sample], docs: list[str], ranges: list[tuple[int, int]],
+                numbers: range, out: str, options: PackOptions) -> list[_Task]:
     """The write tasks of global shards ``numbers`` (their names and fingerprints are global,
-    so a shard is the same file whichever process, or part, writes it)."""
+    so a shard is the same file whichever process, or part, writes it); ``docs`` are the
+    samples' job-document entries."""
     suffix = shard_suffix(options.format)
+    options_text = _canonical(options.output_key())
     tasks = []
     for n in numbers:
         a, b = ranges[n]
-        chunk = samples[a:b]
-        fp = _fingerprint([job, n, chunk[0].key, chunk[-1].key, b - a])
-        tasks.append(_Task(n, os.path.join(out, f"{options.prefix}-{n:06d}{suffix}"), chunk, fp))
+        fp = _shard_fingerprint(options_text, n, ",".join(docs[a:b]))
+        tasks.append(_Task(n, os.path.join(out, f"{options.prefix}-{n:06d}{suffix}"),
+                           samples[a:b], fp))
     return tasks
 
 
-def _write_shards(tasks: list[_Task], options: PackOptions, codec: Codec, out: str, bar: Any
-                  ) -> tuple[list[WrittenShard], Counter[str], str, int]:
-    """Write every task not already done; returns the shards in task order, the samples skipped
-    while writing, the layout note and how many finished shards were kept."""
+def _write_shards(tasks: Iterable[_Task], options: PackOptions, codec: Codec, out: str, bar: Any,
+                  grow: bool = False) -> tuple[list[WrittenShard], Counter[str], str, int]:
+    """Write every task not already done, as ``tasks`` yields them; returns the shards in task
+    order, the samples skipped while writing, the layout note and how many finished shards were
+    kept.  With ``grow`` the progress bar's total grows by each task's bytes as it comes (the
+    streaming pack does not know the total before its scan ends)."""
     results: dict[str, WrittenShard] = {}
     skipped: Counter[str] = Counter()
+    order: list[str] = []
+    kept = 0
 
     def done(w: WrittenShard, sk: Counter[str]) -> None:
         results[w.path] = w
         skipped.update(sk)
         if bar is not None:
             bar.update(w.raw_bytes)
-            bar.set_postfix_str(f"shards {len(results)}/{len(tasks)}", refresh=False)
+            bar.set_postfix_str(f"shards {len(results)}/{len(order)}", refresh=False)
 
-    todo = []
-    for t in tasks:
-        w = _is_done(t, options.format)
-        if w is None:
-            for p in (t.final, t.final + ".idx"):
-                if os.path.exists(p):
-                    os.unlink(p)
-            todo.append(t)
-        else:
-            done(w, Counter())
-    kept = len(tasks) - len(todo)
+    def todo() -> Iterator[_Task]:
+        nonlocal kept
+        for t in tasks:
+            order.append(t.final)
+            if grow and bar is not None:
+                bar.total += sum(s.size for s in t.samples)
+                bar.refresh()
+            w = _is_done(t, options.format)
+            if w is None:
+                for p in (t.final, t.final + ".idx"):
+                    if os.path.exists(p):
+                        os.unlink(p)
+                yield t
+            else:
+                kept += 1
+                done(w, Counter())
+
     layout, layout_note = _layout_for(out, options)
     try:
-        _run_tasks(todo, options, codec, done, layout)
+        _run_tasks(todo(), options, codec, done, layout)
     finally:
         _release_buffers(options.format)
         if bar is not None:
             bar.close()
-    return [results[t.final] for t in tasks], skipped, layout_note, kept
+    return [results[p] for p in order], skipped, layout_note, kept
 
 
 def _layout_for(out: str, options: PackOptions) -> tuple[LayoutRequest | None, str]:
@@ -856,13 +1030,14 @@ def _layout_for(out: str, options: PackOptions) -> tuple[LayoutRequest | None, s
     return request, f"Lustre: each shard created with {want}, read back and confirmed"
 
 
-def _progress_bar(progress: bool | None, tasks: list[_Task], desc: str) -> Any:
+def _progress_bar(progress: bool | None, total: int, desc: str) -> Any:
+    """A bar over ``total`` source bytes (None when ``progress`` is off or stderr is piped)."""
     if progress is False or (progress is None and not sys.stderr.isatty()):
         return None
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0
-    return tqdm(total=sum(s.size for t in tasks for s in t.samples), unit="B", unit_scale=True,
+    return tqdm(total=total, unit="B", unit_scale=True,
                 unit_divisor=1024, file=sys.stderr, desc=desc, dynamic_ncols=True)
 
 

@@ -119,6 +119,7 @@ class _Job:
     sizes: list[int]
     ranges: list[tuple[int, int]]
     job: str
+    docs: list[str]  # each sample's job-document entry (its shard's fingerprint is made of them)
 
 
 def split_plan(shard_bytes: list[int], parts: int) -> list[tuple[int, int]]:
@@ -190,8 +191,9 @@ def _pack_part(jb: _Job, part: tuple[int, int], progress: bool | None) -> PartRe
     dict_digest = digest_bytes(codec.dictionary) if codec.dictionary else None
     if dict_digest:
         write_state(dict_digest)
-    tasks = _make_tasks(jb.scan.samples, jb.ranges, range(first, stop), jb.job, out, options)
-    bar = _progress_bar(progress, tasks, f"packing part {index}/{parts} "
+    tasks = _make_tasks(jb.scan.samples, jb.docs, jb.ranges, range(first, stop), out, options)
+    bar = _progress_bar(progress, sum(s.size for t in tasks for s in t.samples),
+                        f"packing part {index}/{parts} "
                         f"(shards {first}..{max(first, stop - 1)})")
     written, skipped, layout_note, kept = _write_shards(tasks, options, codec, out, bar)
     record = {

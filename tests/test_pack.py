@@ -341,6 +341,17 @@ def test_progress_quiet_without_terminal(image_tree: Path, tmp_path: Path) -> No
     assert "packing 60 files" in proc.stderr
 
 
+def test_label_ids_follow_imagefolder(tmp_path: Path) -> None:
+    # Every class folder gets an id in sorted order, an empty one included, as torchvision's
+    # ImageFolder numbers them ("a" < "a-b" although "a-b/..." keys sort before "a/..." keys).
+    src = write_files(tmp_path / "src", {"a/x.txt": b"1", "a-b/y.txt": b"2", "c/z.txt": b"3"})
+    (src / "b_empty").mkdir()
+    m = shardio.pack(src, tmp_path / "ds", label_from_dir=True)
+    assert m.labels == {"field": "cls", "names": ["a", "a-b", "b_empty", "c"]}
+    got = {k: int(v["cls"]) for k, v in read_back(tmp_path / "ds").items()}
+    assert got == {"a/x": 0, "a-b/y": 1, "c/z": 3}
+
+
 # --- 2. resume -------------------------------------------------------------------------------
 
 # Big enough that the pack writes ~1500 shards of about a millisecond each, so a signal sent once

@@ -3,7 +3,9 @@
 * the background shard writer (writev in a thread): errors mid-shard (disk full, an unreadable
   file) still raise typed errors and leave no temp file;
 * the forked worker pool: same bytes for any worker count, a worker's error raised typed in the
-  parent, a dead worker reported, task claims handed out once each;
+  parent, a dead worker reported;
+* the streaming pack (shards written while the walk goes on): the same bytes as a pack that
+  scans first, and the walk yields samples in sorted key order;
 * the text-built job fingerprint, the hoisted size estimates and the numpy-free index writer
   against the reference implementations (``json.dumps``, ``_estimate``, ``ShardIndex.to_bytes``).
 """
@@ -16,6 +18,7 @@ import random
 import signal
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,7 +28,7 @@ import shardio.formats.tar as tar_format
 from shardio import packer
 from shardio._scan import scan_source
 from shardio.config import PackOptions
-from shardio.errors import ShardioError, StorageFullError, UnreadableFileError
+from shardio.errors import EmptySourceError, ShardioError, StorageFullError, UnreadableFileError
 from shardio.formats.base import IndexBuilder, ShardIndex
 from tests.test_pack import (
     assert_nothing_published,
@@ -71,18 +74,29 @@ def test_background_writer_disk_full(small_tmpfs: Path, tmp_path: Path, small_fl
     assert temp_files(small_tmpfs) == []
 
 
+def _before_write(monkeypatch: pytest.MonkeyPatch, victim: Path,
+                  change: Callable[[Path], None]) -> None:
+    """Apply ``change`` to ``victim`` after the scan listed it, just before its shard is written
+    (in whichever process writes it)."""
+    real = packer._pack_shard
+
+    def change_then_write(task: Any, *args: Any) -> Any:
+        if any(f[1] == str(victim) for s in task.samples for f in s.files):
+            change(victim)
+        return real(task, *args)
+
+    monkeypatch.setattr(packer, "_pack_shard", change_then_write)
+
+
 def _unreadable_after_scan(monkeypatch: pytest.MonkeyPatch, victim: Path) -> None:
     """Turn ``victim`` into a directory once the scan has listed it as a file: opening it then
     works (even as root) and reading it fails with EISDIR, in the middle of a shard."""
-    real = packer.scan_source
 
-    def scan_then_break(*args: Any, **kwargs: Any) -> Any:
-        result = real(*args, **kwargs)
-        victim.unlink()
-        victim.mkdir()
-        return result
+    def to_directory(path: Path) -> None:
+        path.unlink()
+        path.mkdir()
 
-    monkeypatch.setattr(packer, "scan_source", scan_then_break)
+    _before_write(monkeypatch, victim, to_directory)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -125,17 +139,16 @@ def test_file_that_grew_after_the_scan(tmp_path: Path, monkeypatch: pytest.Monke
                                        small_flush: None) -> None:
     src = random_tree(tmp_path / "src", 20, 3000, 5000, dirs=1)
     grown = src / "d0" / "f00007.bin"
-    real = packer.scan_source
+    before = grown.stat().st_size
 
-    def scan_then_grow(*args: Any, **kwargs: Any) -> Any:
-        result = real(*args, **kwargs)
-        with open(grown, "ab") as f:
+    def grow(path: Path) -> None:
+        with open(path, "ab") as f:
             f.write(b"more" * 5000)
-        return result
 
-    monkeypatch.setattr(packer, "scan_source", scan_then_grow)
+    _before_write(monkeypatch, grown, grow)
     out = tmp_path / "out"
     shardio.pack(src, out, samples_per_shard=8)
+    assert grown.stat().st_size == before + 20000
     assert read_back(out)["d0/f00007"]["bin"] == grown.read_bytes()
 
 
@@ -200,22 +213,101 @@ def test_worker_error_keeps_its_type_and_traceback(tmp_path: Path,
     assert_nothing_published(tmp_path / "out")
 
 
-@pytest.mark.parametrize("n", [1, 10, 20_000, 300_000])
-def test_claims_hand_out_each_task_once(n: int) -> None:
-    claims = packer._Claims(n, 3)
-    try:
-        if claims.fd >= 0:  # a pipe: any process takes the next one
-            got = []
-            while (i := claims.take(len(got) % 3)) is not None:
-                got.append(i)
-            assert got == list(range(n))
-        else:  # too many for a pipe: a fixed stride per process
-            assert n * 4 > 1 << 20
-            assert [claims.take(1) for _ in range(3)] == [1, 4, 7]
-        claims.stop()
-        assert claims.take(0) is None
-    finally:
-        claims.close()
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_first_shards_are_written_while_the_scan_goes_on(tmp_path: Path, workers: int) -> None:
+    # Shard 0 holds d0's files; while it is written the walk has not listed d9 yet (the state
+    # file still has no job: that is written when the scan ends).
+    src = random_tree(tmp_path / "src", 200, 100, 900, dirs=10)
+    out = tmp_path / "out"
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    real = packer._pack_shard
+
+    def note_state(task: Any, *args: Any) -> Any:
+        state = json.loads((out / packer.STATE_NAME).read_text())
+        (seen / f"{task.number}.json").write_text(json.dumps(state))
+        return real(task, *args)
+
+    import shardio._scan as scan_mod
+
+    listed: list[str] = []
+    real_list = scan_mod.Walk._list
+
+    def note_listing(self: Any, path: str, *args: Any) -> Any:
+        listed.append(os.path.basename(path))
+        return real_list(self, path, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(packer, "_pack_shard", note_state)
+        mp.setattr(scan_mod.Walk, "_list", note_listing)
+        m = shardio.pack(src, out, samples_per_shard=5, workers=workers, fsync=False)
+    assert len(m.shards) == 40
+    states = {int(p.stem): json.loads(p.read_text()) for p in seen.iterdir()}
+    assert sorted(states) == list(range(40))
+    assert states[0]["job"] is None and states[0]["shards"] is None
+    assert states[39]["job"] == m.job and states[39]["shards"] == 40
+    assert listed == ["src", *[f"d{i}" for i in range(10)]]
+    assert not (out / packer.STATE_NAME).exists()
+    # The same bytes as a pack that scans everything first (OUT not empty: no streaming).
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    shardio.pack(src, full, samples_per_shard=5, workers=workers, fsync=False, overwrite=True)
+    got = file_bytes(full)
+    del got["notes.txt"]
+    assert got == file_bytes(out)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"samples_per_shard": 3},
+    {"shard_size": "20KB", "label_from_dir": True},
+    {"shard_size": "4KB", "on_error": "skip", "compress": "zstd"},
+    {"shard_size": "30KB", "format": "hdf5", "workers": 2},
+])
+def test_streaming_and_scan_first_packs_are_identical(tmp_path: Path,
+                                                      kwargs: dict[str, Any]) -> None:
+    for i, src in enumerate([_odd_tree(tmp_path / "odd"), random_tree(tmp_path / "r", 60, 0,
+                                                                        9000, dirs=3)]):
+        fresh, full = tmp_path / f"fresh{i}", tmp_path / f"full{i}"
+        m1 = shardio.pack(src, fresh, fsync=False, **kwargs)
+        full.mkdir()
+        (full / "keep.txt").write_text("x")
+        m2 = shardio.pack(src, full, fsync=False, overwrite=True, **kwargs)
+        assert m1.to_dict() == m2.to_dict()
+        got = file_bytes(full)
+        del got["keep.txt"]
+        assert got == file_bytes(fresh)
+
+
+def test_walk_yields_the_order_of_sorted_keys(tmp_path: Path) -> None:
+    # Names that sort differently as bare names and as key prefixes: "a" < "a-b" but "a-b/x" <
+    # "a/x"; a file stem equal to a folder name; dots inside names.
+    names = ["a", "a-b", "a.b", "a b", "a0", "b", "-", "é", "a_b", "ab"]
+    rng = random.Random(3)
+    for trial in range(30):
+        files: dict[str, bytes] = {}
+        for i in range(rng.randint(1, 30)):
+            parts = [rng.choice(names) for _ in range(rng.randint(1, 3))]
+            ext = rng.choice(["jpg", "json", "tar.gz"])
+            files["/".join(parts) + f"{i % 3}.{ext}"] = bytes(rng.randint(0, 40))
+        src = write_files(tmp_path / f"t{trial}", files)
+        listing = tmp_path / f"list{trial}.txt"
+        listing.write_text("\n".join(sorted(files)))
+        for label in (False, True):
+            try:
+                ref = scan_source(str(src), str(tmp_path / "o"), files_from=str(listing),
+                                  label_from_dir=label, on_error="skip")
+            except EmptySourceError:  # every file at the top, none in a class folder
+                with pytest.raises(EmptySourceError):
+                    scan_source(str(src), str(tmp_path / "o"), files_from=None,
+                                label_from_dir=label, on_error="skip")
+                continue
+            walk = scan_source(str(src), str(tmp_path / "o"), files_from=None,
+                               label_from_dir=label, on_error="skip")
+            assert [s.key for s in walk.samples] == sorted(s.key for s in ref.samples)
+            assert [(s.key, s.files, s.label) for s in walk.samples] == \
+                [(s.key, s.files, s.label) for s in ref.samples]
+            assert (walk.labels, walk.files, walk.skipped) == (ref.labels, ref.files, ref.skipped)
 
 
 # --- reference implementations --------------------------------------------------------------
