@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import gc
 import json
+import marshal
 import os
 import re
 import sys
@@ -582,12 +583,41 @@ def _send(fd: int, obj: Any) -> None:
         view = view[os.write(fd, view):]
 
 
-def _child(task: _Task, args: tuple[Any, ...], fd: int) -> None:
-    """A forked worker: write one shard, report it (or the error) on ``fd``; never returns."""
+def _task_message(task: _Task) -> bytes:
+    """A task as a worker receives it: ``marshal`` of plain tuples (~5x faster than pickling
+    the samples), behind an 8-byte length."""
+    data = marshal.dumps((task.number, task.final, task.fingerprint,
+                          [(s.key, s.files, s.label) for s in task.samples]))
+    return len(data).to_bytes(8, "little") + data
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    """``n`` bytes from ``fd``, or None at end of file before the first."""
+    parts, got = [], 0
+    while got < n:
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            if got:
+                raise EOFError(f"pipe closed {got} bytes into a {n}-byte message")
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _child(tasks_fd: int, args: tuple[Any, ...], fd: int) -> None:
+    """A forked worker: write each task read from ``tasks_fd`` (until end of file), report each
+    shard (or the error) on ``fd``; never returns."""
     code = 0
     try:
-        _n, w, sk = _pack_shard(task, *args)
-        _send(fd, (w, sk))
+        while (head := _read_exactly(tasks_fd, 8)) is not None:
+            body = _read_exactly(tasks_fd, int.from_bytes(head, "little"))
+            if body is None:
+                raise EOFError("pipe closed between a task's length and its body")
+            number, final, fingerprint, rows = marshal.loads(body)
+            task = _Task(number, final, [Sample(*r) for r in rows], fingerprint)
+            _n, w, sk = _pack_shard(task, *args)
+            _send(fd, (w, sk))
     except BaseException as exc:  # noqa: BLE001  (KeyboardInterrupt too: the parent re-raises it)
         code = 1
         try:
@@ -609,14 +639,33 @@ def _child(task: _Task, args: tuple[Any, ...], fd: int) -> None:
 
 
 class _Worker:
-    """The parent's end of a forked worker: its pid and the messages it sent."""
+    """The parent's end of a forked worker: its pid, its task pipe and the messages it sent."""
 
-    def __init__(self, pid: int, fd: int) -> None:
-        self.pid, self.fd = pid, fd
+    def __init__(self, pid: int, fd: int, tasks_fd: int) -> None:
+        self.pid, self.fd, self.tasks_fd = pid, fd, tasks_fd
         self.buf = b""
         self.eof = False
-        self.reported = False  # sent its result or its error
+        self.busy = False  # a task was sent and its report has not come back
+        self.status: int | None = None  # wait status, once reaped
         os.set_blocking(fd, False)
+
+    def give(self, task: _Task) -> bool:
+        """Send ``task`` (the worker is idle: it reads the message as it arrives); False if the
+        worker is gone."""
+        view = memoryview(_task_message(task))
+        try:
+            while view:
+                view = view[os.write(self.tasks_fd, view):]
+        except BrokenPipeError:
+            return False
+        self.busy = True
+        return True
+
+    def finish(self) -> None:
+        """No more tasks: the worker exits once it has written the one in hand."""
+        if self.tasks_fd >= 0:
+            os.close(self.tasks_fd)
+            self.tasks_fd = -1
 
     def poll(self, block: bool) -> list[Any]:
         """Messages received so far; with ``block``, every message until the worker exits."""
@@ -646,50 +695,44 @@ class _Worker:
         return out
 
     def reap(self) -> int:
-        os.close(self.fd)
-        _pid, status = os.waitpid(self.pid, 0)
-        return status
+        if self.status is None:
+            self.finish()
+            os.close(self.fd)
+            self.status = os.waitpid(self.pid, 0)[1]
+        return self.status
 
 
 def _run_forked(tasks: Iterable[_Task], procs: int, args: tuple[Any, ...],
                 done: Callable[[WrittenShard, Counter[str]], None]) -> None:
-    """Write ``tasks`` in up to ``procs`` forked workers, one shard each.
+    """Write ``tasks`` in ``procs`` forked workers.
 
-    Each task gets a worker forked for it, which writes that one shard and exits: fork, not
-    spawn, so the worker inherits the imported modules and its task (no pickling of samples, no
-    re-import), and the tasks the streaming scan plans after the first workers started need no
-    channel.  This process scans (iterating ``tasks``), forks and collects; it writes nothing,
-    so it is always free to start the next worker the moment one exits.  It stops scanning while
-    ``2 * procs`` tasks wait for a worker, which bounds the memory the plan holds.  No thread
-    runs at fork time (the progress bar has no monitor thread).  The first error stops the
-    launching; the workers finish the shard in hand, then the error is raised here, typed as
-    the worker raised it (its traceback added as a note).
+    fork, not spawn: the workers inherit the imported modules (no re-import).  They are forked
+    before the first task is planned, so each task is sent to an idle worker over its pipe
+    (``marshal`` of plain tuples, ~1 ms for 3,000 samples).  This process scans (iterating
+    ``tasks``), hands out tasks and collects reports; it writes nothing, so a worker gets its
+    next task the moment it reports the last.  It stops scanning while ``2 * procs`` tasks wait,
+    which bounds the memory the plan holds.  No thread runs at fork time (the progress bar has
+    no monitor thread).  The first error stops the handing out; the workers finish the shard in
+    hand, then the error is raised here, typed as the worker raised it (its traceback added as
+    a note).  A worker whose parent dies reads end of file and exits after its shard.
     """
     import pickle  # noqa: F401  (imported here, not by every pack: the workers inherit them)
     import select
 
-    running: list[_Worker] = []
+    workers: list[_Worker] = []
     queue: deque[_Task] = deque()
     error: BaseException | None = None
 
-    def launch(task: _Task) -> None:
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            _child(task, args, w)
-        os.close(w)
-        running.append(_Worker(pid, r))
-
     def collect(block: bool) -> None:
-        """Take the reports of the workers; reap those that exited.  With ``block``, first
-        wait until one of them has something to say."""
+        """Take the workers' reports; reap those that exited.  With ``block``, first wait until
+        one of them has something to say."""
         nonlocal error
-        if block and running:
-            select.select([wk.fd for wk in running], [], [])
-        for wk in list(running):
+        live = [wk for wk in workers if not wk.eof]
+        if block and live:
+            select.select([wk.fd for wk in live], [], [])
+        for wk in live:
             for msg in wk.poll(False):
-                wk.reported = True
+                wk.busy = False
                 if isinstance(msg[0], BaseException):
                     if error is None:
                         error = msg[0]
@@ -698,43 +741,68 @@ def _run_forked(tasks: Iterable[_Task], procs: int, args: tuple[Any, ...],
                 else:
                     done(*msg)
             if wk.eof:
-                running.remove(wk)
                 status = wk.reap()
-                if error is None and (status != 0 or not wk.reported):
+                if error is None and (status != 0 or wk.busy):
                     error = ShardioError(
                         f"a pack worker (pid {wk.pid}) died ({_status_text(status)}) before it "
                         "finished; rerun the same command to resume"
                     )
 
-    def fill() -> None:
-        while queue and error is None and len(running) < procs:
-            launch(queue.popleft())
+    def hand_out() -> None:
+        for wk in workers:
+            if not queue or error is not None:
+                return
+            if wk.busy or wk.eof:
+                continue
+            if wk.give(queue[0]):
+                queue.popleft()
+            else:
+                collect(True)  # it is gone: its end of file (and the error) comes next
 
     try:
+        for _ in range(procs):
+            r, w = os.pipe()
+            tr, tw = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                os.close(tw)
+                for wk in workers:  # a sibling's task pipe must close when the parent closes it
+                    os.close(wk.tasks_fd)
+                    os.close(wk.fd)
+                _child(tr, args, w)
+            os.close(w)
+            os.close(tr)
+            workers.append(_Worker(pid, r, tw))
         for task in tasks:  # with the streaming pack, the scan runs inside this loop
             collect(False)
             queue.append(task)
-            fill()
+            hand_out()
             while len(queue) >= 2 * procs and error is None:  # far ahead of the writers
                 collect(True)
-                fill()
+                hand_out()
             if error is not None:
                 break
-        while error is None and (queue or running):
-            fill()
+        while error is None and (queue or any(wk.busy for wk in workers)):
+            hand_out()
             collect(True)
-        while running:  # after an error: the workers finish the shard in hand
-            collect(True)
+        for wk in workers:
+            wk.finish()
+        while any(not wk.eof for wk in workers):  # the workers exit (after an error: once
+            collect(True)  # they have finished the shard in hand)
     except BaseException as exc:  # noqa: BLE001  (re-raised below, once the workers are reaped)
         if error is None:
             error = exc
-        for wk in running:
+        for wk in workers:
+            wk.finish()
             try:
                 wk.poll(True)  # they finish the shard in hand (published, not counted: we raise)
             except BaseException:  # noqa: BLE001, S110  (a second Ctrl-C: stop waiting)
                 pass
     finally:
-        for wk in running:
+        for wk in workers:
+            if wk.status is not None:
+                continue
             status = wk.reap()
             if error is None and status != 0:
                 error = ShardioError(
@@ -867,8 +935,8 @@ def _pack_streaming(src: str, out: str, options: PackOptions, progress: bool | N
     """A fresh pack of a directory tree that writes shards while the scan goes on.
 
     The walk yields samples in key order (:class:`~shardio._scan.Walk`) and the planner cuts a
-    shard as soon as the next sample would overflow it, so shard ``n`` is written (by a forked
-    worker, or here between scans with one worker) before the scan of the rest of the tree
+    shard as soon as the next sample would overflow it, so shard ``n`` is written (by a worker
+    process, or here between scans with one worker) before the scan of the rest of the tree
     ends: the same shards, bytes and manifest as a pack that scans first.  The job fingerprint
     is only known at the end of the scan, so the state file is written twice: before the first
     shard with ``job: null`` (a rerun then resumes whatever the input: every kept shard is
