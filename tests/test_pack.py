@@ -505,6 +505,28 @@ def test_resume_after_sigint(big_tree: Path, clean_pack: Path, tmp_path: Path) -
         assert (st.st_ino, st.st_mtime_ns) == ident, f"{name} was rewritten on resume"
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_scan_error_after_published_shards_resumes(tmp_path: Path, workers: int) -> None:
+    # A fresh pack writes while it scans, so a bad file in the last folder is met after the
+    # first shards are out: no manifest, and the rerun after the fix keeps those shards.
+    src = random_tree(tmp_path / "src", 80, 100, 900, dirs=4)
+    os.symlink("missing.bin", src / "d3" / "zz.bin")
+    out = tmp_path / "out"
+    expect_error(src, out, BrokenSymlinkError, ["zz.bin", "--on-error skip"],
+                 samples_per_shard=4, workers=workers, fsync=False)
+    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()
+                if p.name.endswith(".idx")}
+    assert len(finished) >= 10  # d0..d2 hold 60 of the 80 files: 15 shards were planned
+    (src / "d3" / "zz.bin").unlink()
+    shardio.pack(src, out, samples_per_shard=4, workers=workers, fsync=False)
+    for name, ident in finished.items():
+        st = (out / name).stat()
+        assert (st.st_ino, st.st_mtime_ns) == ident, f"{name} was rewritten on resume"
+    clean = tmp_path / "clean"
+    shardio.pack(src, clean, samples_per_shard=4, fsync=False)
+    assert file_bytes(out) == file_bytes(clean)
+
+
 def test_rerun_completed_pack_is_noop(image_tree: Path, tmp_path: Path) -> None:
     out = tmp_path / "ds"
     m1 = shardio.pack(image_tree, out, samples_per_shard=8)
@@ -700,6 +722,13 @@ def test_sample_larger_than_shard(tmp_path: Path) -> None:
                        ["a/huge", "--shard-size", "at least"], shard_size="100KB")
     assert isinstance(exc, SourceError)
     expect_skip(src, tmp_path / "skip", "too_large", 6, shard_size="100KB")
+    # Skipping them all leaves nothing to pack, whichever path plans (streaming or scan first).
+    huge = write_files(tmp_path / "huge", {f"a/x{i}.bin": os.urandom(200_000) for i in range(2)})
+    for out in (tmp_path / "none", tmp_path / "full"):
+        if out.name == "full":
+            write_files(out, {"notes.txt": b"mine"})
+        expect_error(huge, out, EmptySourceError, ["every sample", "--shard-size"],
+                     shard_size="100KB", on_error="skip", overwrite=True)
 
 
 @pytest.mark.parametrize("second", ["a/s1.txt", "./a/s1.txt", "a/../a/s1.txt", "ABS"])
