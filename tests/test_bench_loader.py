@@ -19,7 +19,7 @@ TRANSFER = {f"transfer_{t}_{ld}" for t in ("pages", "none") for ld in ("shardloa
 E2E = {f"{m}_{ld}" for m in ("raw", "decode")
        for ld in ("shardloader", "shardio_dataloader", "smallfiles", "wds_batched",
                   "wds_dataloader")}
-NAMES = TRANSFER | E2E | {"decode_ceiling"}
+NAMES = TRANSFER | E2E | {"decode_ceiling", "decode_shardloader_steady"}
 NUMBERS = ("seconds", "median_seconds", "samples_per_s", "median_samples_per_s", "batches_per_s",
            "median_batches_per_s", "main_cpu_seconds", "worker_cpu_seconds",
            "sampler_cpu_seconds", "main_cpu_ms_per_batch", "worker_cpu_ms_per_batch",
@@ -77,11 +77,15 @@ def test_quick_run_prints_contender_and_summary_lines(tmp_path: Path) -> None:
     assert len(payloads) == 1 and payloads.pop() > 0  # the same bytes everywhere
     ceiling = contenders["decode_ceiling"]
     assert ceiling["section"] == "ceiling" and ceiling["processes_used"] == 2
+    steady = contenders["decode_shardloader_steady"]
+    assert steady["section"] == "steady" and steady["batches"] == 2
+    assert steady["payload_bytes"] == contenders["decode_shardloader"]["payload_bytes"]
 
     assert summary["kind"] == "summary" and summary["files"] == 400 and summary["repeat"] == 1
     assert summary["side"] == 64 and (summary["ring_bytes"] == "auto" or summary["ring_bytes"] > 0)
     assert set(summary["batches_per_s"]) == TRANSFER
-    assert set(summary["samples_per_s"]) == E2E | peers | {"decode_ceiling"}
+    assert set(summary["samples_per_s"]) == E2E | peers | {"decode_ceiling",
+                                                           "decode_shardloader_steady"}
     assert set(summary["peak_pss_mb"]) == NAMES | peers
     assert set(summary["webdataset_setup"]) == {"raw", "decode"}
     assert set(summary["webdataset_setup"].values()) <= {"wds_batched", "wds_dataloader"}
@@ -89,7 +93,8 @@ def test_quick_run_prints_contender_and_summary_lines(tmp_path: Path) -> None:
         # A CPU ratio is None where a --quick run's few batches read 0 clock ticks.
         assert (isinstance(v, float) and v > 0) or (v is None and "_cpu_" in key), key
     for key in ("transfer_shardloader_vs_dataloader", "raw_shardloader_vs_smallfiles",
-                "decode_shardloader_vs_ceiling", "raw_pss_shardloader_vs_smallfiles"):
+                "decode_shardloader_vs_ceiling", "decode_shardloader_with_start_vs_ceiling",
+                "raw_pss_shardloader_vs_smallfiles"):
         assert key in summary["ratios"]
     assert set(summary["targets"]) == TARGETS
     assert all(isinstance(v, bool) for v in summary["targets"].values())
