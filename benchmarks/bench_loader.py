@@ -304,10 +304,9 @@ def _transfer(spec: dict[str, Any], sampler: Sampler) -> list[dict[str, Any]]:
     return epochs
 
 
-def _e2e(spec: dict[str, Any], sampler: Sampler) -> list[dict[str, Any]]:
-    loader, set_epoch = _loader({**spec, "kind": READ_KIND[spec["loader"]], "persistent": False,
-                                 "ring_bytes": spec["ring_bytes"]})
-    set_epoch(0)
+def _timed_epoch(loader: Any, sampler: Sampler, end: Any = None) -> dict[str, Any]:
+    """Iterate one epoch of ``(x, labels, nbytes)`` batches under the clock; ``end(loader)``,
+    when given, runs inside the timed region (a non-persistent loader's shutdown)."""
     samples = batches = payload = 0
     first = None
     _x = labels = nbytes = None
@@ -319,10 +318,18 @@ def _e2e(spec: dict[str, Any], sampler: Sampler) -> list[dict[str, Any]]:
             batches += 1
             payload += payload_of(nbytes)
         del _x, labels, nbytes
-        end_epoch(loader, persistent=False)
+        if end is not None:
+            end(loader)
     ep = clock.result(samples, batches, first)
     ep["payload_bytes"] = payload
-    return [ep]
+    return ep
+
+
+def _e2e(spec: dict[str, Any], sampler: Sampler) -> list[dict[str, Any]]:
+    loader, set_epoch = _loader({**spec, "kind": READ_KIND[spec["loader"]], "persistent": False,
+                                 "ring_bytes": spec["ring_bytes"]})
+    set_epoch(0)
+    return [_timed_epoch(loader, sampler, lambda ld: end_epoch(ld, persistent=False))]
 
 
 def _steady(spec: dict[str, Any], sampler: Sampler) -> list[dict[str, Any]]:
@@ -333,20 +340,7 @@ def _steady(spec: dict[str, Any], sampler: Sampler) -> list[dict[str, Any]]:
     try:
         for epoch in range(2):
             set_epoch(epoch)
-            samples = batches = payload = 0
-            first = None
-            _x = labels = nbytes = None
-            with Clock(sampler) as clock:
-                for _x, labels, nbytes in loader:
-                    if first is None:
-                        first = clock.lap()
-                    samples += len(labels)
-                    batches += 1
-                    payload += payload_of(nbytes)
-                del _x, labels, nbytes
-            ep = clock.result(samples, batches, first)
-            ep["payload_bytes"] = payload
-            epochs.append(ep)
+            epochs.append(_timed_epoch(loader, sampler))
     finally:
         loader.close()
     return epochs
