@@ -371,15 +371,23 @@ def _sample_docs(samples: list[Sample]) -> list[str]:
     return out
 
 
+_JOB_HEAD = '{"files":['  # the job document up to its first sample entry
+
+
 def _job_tail(labels: list[str] | None, options_key: dict[str, Any]) -> str:
     return f'],"labels":{_canonical(labels)},"options":{_canonical(options_key)}}}'
+
+
+def _job_text(entries: list[str], labels: list[str] | None, options_key: dict[str, Any]) -> str:
+    """The job document around its samples' entries (:func:`_sample_docs`)."""
+    return _JOB_HEAD + ",".join(entries) + _job_tail(labels, options_key)
 
 
 def _job_document(options_key: dict[str, Any], labels: list[str] | None,
                   samples: list[Sample]) -> str:
     """``_canonical`` of the job description (the output options and every input file's key,
     label, field, size and mtime); its xxh3-128 is the job fingerprint."""
-    return '{"files":[' + ",".join(_sample_docs(samples)) + _job_tail(labels, options_key)
+    return _job_text(_sample_docs(samples), labels, options_key)
 
 
 class _JobHash:
@@ -387,7 +395,7 @@ class _JobHash:
     while the streaming pack scans; the labels and options close the document."""
 
     def __init__(self) -> None:
-        self._h = xxhash.xxh3_128(b'{"files":[')
+        self._h = xxhash.xxh3_128(_JOB_HEAD.encode())
         self._sep = ""
 
     def add(self, entries: str) -> None:
@@ -627,8 +635,7 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
     ranges = plan_shards(scan.samples, options, sizes)
     key = options.output_key()
     docs = _sample_docs(scan.samples)
-    job = xxhash.xxh3_128_hexdigest(
-        ('{"files":[' + ",".join(docs) + _job_tail(scan.labels, key)).encode())
+    job = xxhash.xxh3_128_hexdigest(_job_text(docs, scan.labels, key).encode())
     _make_out(out)
     if part is not None:
         return _parts._pack_part(

@@ -258,6 +258,39 @@ def test_first_shards_are_written_while_the_scan_goes_on(tmp_path: Path, workers
     assert got == file_bytes(out)
 
 
+def test_scan_pauses_while_the_workers_are_behind(tmp_path: Path) -> None:
+    # The pack's main process stops pulling tasks (scanning) while 2 x workers wait, and goes on
+    # as soon as a worker reports; every task is written once.  The workers hold their first
+    # task until the 6th is pulled, so nothing can come back before then.
+    from collections import Counter
+
+    from shardio._packpool import Task, run_forked
+
+    release, done_dir = tmp_path / "release", tmp_path / "done"
+    done_dir.mkdir()
+
+    def write(task: Task) -> Any:
+        while not release.exists():
+            time.sleep(0.005)
+        (done_dir / str(task.number)).touch()
+        return task.number, Counter()
+
+    finished_at_pull: list[int] = []
+
+    def tasks() -> Any:
+        for i in range(12):
+            finished_at_pull.append(len(os.listdir(done_dir)))
+            if i == 5:
+                release.touch()
+            yield Task(i, str(tmp_path / f"s{i}"), [], "fp")
+
+    got: list[int] = []
+    run_forked(tasks(), 2, write, lambda n, _sk: got.append(n))
+    assert sorted(got) == list(range(12))
+    assert finished_at_pull[:6] == [0] * 6  # 2 handed out, 4 queued: no report needed yet
+    assert finished_at_pull[6] >= 1  # the 7th pull waited for a worker to finish
+
+
 @pytest.mark.parametrize("kwargs", [
     {"samples_per_shard": 3},
     {"shard_size": "20KB", "label_from_dir": True},
