@@ -474,6 +474,21 @@ def test_resume_after_sigkill(big_tree: Path, clean_pack: Path, tmp_path: Path) 
         assert (st.st_ino, st.st_mtime_ns) == ident, f"{name} was rewritten on resume"
 
 
+def test_killed_pack_leaves_no_worker_behind(big_tree: Path, clean_pack: Path,
+                                             tmp_path: Path) -> None:
+    out = tmp_path / "ds"
+    rc, _, _ = _interrupt(_pack_cmd(big_tree, out, "--workers", "2"), out, signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    # _interrupt's communicate() returned, so every worker has closed the stdout and stderr it
+    # inherited: each read the end of its task pipe and exited, after the shard in hand.
+    _assert_no_partial_shard(out)
+    assert temp_files(out) == []
+    proc = run_child(_pack_cmd(big_tree, out, "--workers", "2"))
+    assert proc.returncode == 0
+    assert temp_files(out) == []
+    assert file_bytes(out) == file_bytes(clean_pack)
+
+
 def test_resume_after_sigint(big_tree: Path, clean_pack: Path, tmp_path: Path) -> None:
     out = tmp_path / "ds"
     finished: dict[str, tuple[int, int]] = {}
