@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import stat as stat_mod
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .errors import (
@@ -304,7 +304,6 @@ def _from_list(src: str, list_path: str, problem: _Problems) -> list[_Found]:
 
 def scan_source(
     src: str, out: str, *, files_from: str | None, label_from_dir: bool, on_error: str,
-    progress: Callable[[int], None] | None = None,
 ) -> ScanResult:
     """Scan ``src`` (or the list ``files_from`` relative to it) into key-sorted samples.
 
