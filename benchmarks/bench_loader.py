@@ -54,6 +54,12 @@ transfer section's 38.5 MB batches always get the default).
 
 Runs go in rounds (every contender once per round, order rotated each round); best and median of
 ``--repeat`` runs are reported, CPU of the best run and the lowest CPU per batch/sample.  The
+decode ceiling and ``decode_shardloader_steady``, which differ by a few percent (less than this
+kind of machine's run-to-run spread), run next to each other in every round, and alone in extra
+rounds (order alternating) up to ``--decode-repeat`` runs (default 5); besides the best-run ratio
+(the target), the summary gives each round's ratio and their median
+(``decode_shardloader_vs_ceiling_paired_median``: two runs side by side share the machine's
+state of the moment).  The
 sampler thread's own CPU (it reads ``smaps_rollup``) is taken out of the main process's CPU and
 reported as ``sampler_cpu_seconds``.  Wall-clock figures need an otherwise idle machine (the
 load average is recorded per run and at the end); CPU per batch/sample much less so.
@@ -106,8 +112,10 @@ from benchmarks.bench_read import (
     raw_item,
 )
 
-QUICK = {"files": 400, "classes": 10, "repeat": 1, "shard_size": "2MB", "side": 64}
-DEFAULTS = {"files": 20000, "classes": 100, "repeat": 3, "shard_size": "64MB", "side": 224}
+QUICK = {"files": 400, "classes": 10, "repeat": 1, "shard_size": "2MB", "side": 64,
+         "decode_repeat": 1}
+DEFAULTS = {"files": 20000, "classes": 100, "repeat": 3, "shard_size": "64MB", "side": 224,
+            "decode_repeat": 5}
 TOUCHES = ("pages", "none")
 TRANSFER_LOADERS = ("shardloader", "dataloader")
 E2E_LOADERS = ("shardloader", "shardio_dataloader", "smallfiles", "wds_batched", "wds_dataloader")
@@ -540,6 +548,9 @@ def summary_line(lines: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> dict[
                           "batches_per_s")
     raw_files = ratio("raw_shardloader", "raw_smallfiles")
     decode_ceiling = ratio("decode_shardloader_steady", "decode_ceiling")
+    # Run k of each is from the same round (adjacent in time): their ratio cancels slow drift.
+    paired = [round(c / s, 3) for c, s in zip(lines["decode_ceiling"]["all_seconds"],
+                                               lines["decode_shardloader_steady"]["all_seconds"])]
     pss = {m: get(f"{m}_shardloader", "peak_pss_mb") < get(f"{m}_smallfiles", "peak_pss_mb")
            for m in MODES}
     ratios = {
@@ -561,6 +572,7 @@ def summary_line(lines: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> dict[
         "decode_shardloader_vs_ceiling": decode_ceiling,
         "decode_shardloader_vs_ceiling_median": ratio("decode_shardloader_steady",
                                                       "decode_ceiling", "median_samples_per_s"),
+        "decode_shardloader_vs_ceiling_paired_median": statistics.median(paired),
         "decode_shardloader_with_start_vs_ceiling": ratio("decode_shardloader", "decode_ceiling"),
         "decode_shardloader_with_start_vs_ceiling_median": ratio(
             "decode_shardloader", "decode_ceiling", "median_samples_per_s"),
@@ -592,6 +604,7 @@ def summary_line(lines: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> dict[
         "peak_pss_mb": {n: ln["peak_pss_mb"] for n, ln in lines.items()},
         "peak_shmem_rise_mb": {n: ln["peak_shmem_rise_mb"] for n, ln in lines.items()},
         "ratios": ratios,
+        "decode_vs_ceiling_per_round": paired,
         "targets": {
             "transfer_ge_3x_dataloader": transfer >= TARGETS["transfer_vs_dataloader"],
             "raw_ge_5x_smallfiles": raw_files >= TARGETS["raw_vs_smallfiles"],
@@ -617,8 +630,8 @@ def summary_line(lines: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> dict[
 def print_table(lines: Sequence[dict[str, Any]], summary: dict[str, Any]) -> None:
     err = sys.stderr
     print(f"\nloader benchmark: {summary['files']} files, {summary['payload_mb']} MB, batch "
-          f"{BATCH}, {WORKERS} workers, best of {summary['repeat']} (median in brackets), "
-          f"{summary['cpus']} CPUs; transfer batch uint8 [{BATCH},3,{summary['side']},"
+          f"{BATCH}, {WORKERS} workers, best of {summary['repeat']} (decode ceiling and steady: "
+          f"{summary['decode_repeat']}; median in brackets), {summary['cpus']} CPUs; transfer batch uint8 [{BATCH},3,{summary['side']},"
           f"{summary['side']}]", file=err)
     print(f"{'contender':<34} {'rate':>22} {'best s':>8} {'cpu main/wrk ms/batch':>22} "
           f"{'PSS MB':>7} {'shm+ MB':>7}", file=err)
@@ -645,6 +658,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--files", type=int, default=None, help="files to generate (default 20000)")
     p.add_argument("--classes", type=int, default=None, help="class folders (default 100)")
     p.add_argument("--repeat", type=int, default=None, help="runs per contender (default 3)")
+    p.add_argument("--decode-repeat", type=int, default=None,
+                   help="runs of the decode ceiling and steady-state ShardLoader, at least "
+                        "--repeat (default 5)")
     p.add_argument("--shard-size", default=None, help="pack shard size (default 64MB)")
     p.add_argument("--side", type=int, default=None,
                    help="transfer tensors are uint8 (3, SIDE, SIDE) (default 224)")
@@ -668,6 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_files = a.files if a.files is not None else base["files"]
     n_classes = a.classes if a.classes is not None else base["classes"]
     repeat = a.repeat if a.repeat is not None else base["repeat"]
+    decode_repeat = a.decode_repeat if a.decode_repeat is not None else base["decode_repeat"]
     side = a.side if a.side is not None else base["side"]
     shard_size = a.shard_size or base["shard_size"]
     if n_files < 1 or n_classes < 1 or repeat < 1 or side < 1 or a.sample_interval <= 0:
@@ -679,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="shardio-bench-loader-", dir=a.workdir)
     try:
         return _bench(work, n_files, n_classes, repeat, side, shard_size, a.sample_interval,
-                      a.ring_bytes, a.json_out)
+                      a.ring_bytes, a.json_out, decode_repeat)
     finally:
         if a.keep:
             print(f"kept {work}", file=sys.stderr)
@@ -688,7 +705,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _bench(work: str, n_files: int, n_classes: int, repeat: int, side: int, shard_size: str,
-           interval: float, ring_bytes: str | None, json_out: str | None) -> int:
+           interval: float, ring_bytes: str | None, json_out: str | None,
+           decode_repeat: int = 0) -> int:
     from shardio.config import LoaderOptions
 
     default_ring = LoaderOptions().ring_bytes
@@ -705,13 +723,18 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, side: int, shar
     contenders += [Contender("e2e", ld, m) for m in MODES for ld in (*E2E_LOADERS, *peers)]
     contenders.append(Contender("ceiling", "decode_ceiling", "decode"))
     contenders.append(Contender("steady", "shardloader", "decode"))
-    for rnd in range(repeat):
-        k = rnd % len(contenders)
-        for c in contenders[k:] + contenders[:k]:
+    pair = contenders[-2:]  # the decode ceiling and the steady-state ShardLoader: adjacent
+    rounds = [contenders[k:] + contenders[:k] for k in
+              (rnd % len(contenders) for rnd in range(repeat))]
+    # More runs of the decode pair alone (order alternating) up to decode_repeat: the two
+    # differ by a few percent, less than this machine's run-to-run spread.
+    rounds += [pair if rnd % 2 else pair[::-1] for rnd in range(repeat, decode_repeat)]
+    for rnd, order in enumerate(rounds):
+        for c in order:
             peer = {"python": data["peers_python"]} if c.loader in MEASURED_PEERS else {}
             c.runs.append(_run_child({**base_spec, **c.spec(), **peer}))
             ep = c.measured(c.runs[-1])
-            print(f"  round {rnd + 1}/{repeat} {c.name}: {ep['seconds']:.3f}s "
+            print(f"  round {rnd + 1}/{len(rounds)} {c.name}: {ep['seconds']:.3f}s "
                   f"({ep['samples'] / ep['seconds']:.0f} samples/s, "
                   f"{ep['batches'] / ep['seconds']:.1f} batches/s, load {ep['load_1min']:.1f})",
                   file=sys.stderr)
@@ -722,6 +745,7 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, side: int, shar
         "files": data["files"], "payload_bytes": data["payload_bytes"],
         "payload_mb": _mb(data["payload_bytes"]), "classes": n_classes,
         "num_shards": data["num_shards"], "shard_size": shard_size, "repeat": repeat,
+        "decode_repeat": max(repeat, decode_repeat),
         "batch_size": BATCH, "num_workers": WORKERS, "side": side,
         "ring_bytes": default_ring, "e2e_ring_bytes": e2e_ring, "sample_interval": interval,
         "cpus": os.cpu_count(), "python": platform.python_version(),

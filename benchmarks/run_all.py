@@ -698,7 +698,10 @@ def loader_section(res: Results, plotter: Plotter) -> Section:
     lines += [f"Decode ceiling (decode only, in-memory bytes, {fmt(_get(ceiling, 'num_workers'))}"
               f" processes, pool started before the clock): {fmt(ceil)} samples/s; ShardLoader's "
               f"steady-state decode epoch (second of two, worker start not timed): "
-              f"{fmt(_get(steady, 'samples_per_s'))} samples/s.", ""]
+              f"{fmt(_get(steady, 'samples_per_s'))} samples/s (best of "
+              f"{fmt(_get(s, 'decode_repeat'))}); ratio per round (ceiling seconds / ShardLoader "
+              f"seconds, the two run side by side): "
+              f"{fmt_exact(_get(s, 'decode_vs_ceiling_per_round'))}.", ""]
     plot = plotter.bars("loader_e2e_samples_per_s.png", "loader end to end: samples/s (best run)",
                         "samples/s", names,
                         {m: [_num(f(n, m, "samples_per_s")) for n in names] for m in MODES},

@@ -37,8 +37,8 @@ def _number(v: object) -> bool:
 def test_quick_run_prints_contender_and_summary_lines(tmp_path: Path) -> None:
     json_out = tmp_path / "bench.jsonl"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--workdir", str(tmp_path / "work"),
-         "--json-out", str(json_out)],
+        [sys.executable, str(SCRIPT), "--quick", "--decode-repeat", "2",
+         "--workdir", str(tmp_path / "work"), "--json-out", str(json_out)],
         check=False, capture_output=True, text=True, timeout=240, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
@@ -58,7 +58,8 @@ def test_quick_run_prints_contender_and_summary_lines(tmp_path: Path) -> None:
         assert contenders[name]["section"] == "e2e" and contenders[name]["samples"] == 400
 
     for name, c in contenders.items():
-        assert c["files"] == 400 and c["runs"] == 1 and len(c["all_seconds"]) == 1, name
+        runs = 2 if name in ("decode_ceiling", "decode_shardloader_steady") else 1
+        assert c["files"] == 400 and c["runs"] == runs and len(c["all_seconds"]) == runs, name
         assert c["batch_size"] == 256 and c["num_workers"] == 2 and isinstance(c["loader"], str)
         assert c["samples"] == 400, name  # every contender delivered the whole dataset
         for key in NUMBERS:
@@ -82,6 +83,12 @@ def test_quick_run_prints_contender_and_summary_lines(tmp_path: Path) -> None:
     assert steady["payload_bytes"] == contenders["decode_shardloader"]["payload_bytes"]
 
     assert summary["kind"] == "summary" and summary["files"] == 400 and summary["repeat"] == 1
+    # The decode pair gets extra rounds of its own; each round's ratio is reported.
+    assert summary["decode_repeat"] == 2 and len(summary["decode_vs_ceiling_per_round"]) == 2
+    ceiling, steady = contenders["decode_ceiling"], contenders["decode_shardloader_steady"]
+    assert all(c["runs"] == 2 for c in (ceiling, steady))
+    assert summary["ratios"]["decode_shardloader_vs_ceiling_paired_median"] == pytest.approx(
+        sum(c / s for c, s in zip(ceiling["all_seconds"], steady["all_seconds"])) / 2, abs=2e-3)
     assert summary["side"] == 64 and (summary["ring_bytes"] == "auto" or summary["ring_bytes"] > 0)
     assert set(summary["batches_per_s"]) == TRANSFER
     assert set(summary["samples_per_s"]) == E2E | peers | {"decode_ceiling",
