@@ -186,6 +186,7 @@ class ShardLoader:
         self._preempt_pending = False
         self.preempted = False
         self._pool: WorkerPool | None = None
+        self._sizer: int | None = None  # the ring-sizing child, until reaped
         self._released: deque[tuple[Any, Any]] = deque()
         self._delivered = 0
         self._warned_copy = False
@@ -223,7 +224,10 @@ class ShardLoader:
                             shm_dir=o.shm_dir, cpus=self._cpus(), poll_interval=o.poll_interval,
                             max_restarts=o.max_restarts),
             )
-            pool.start()  # closes itself if it fails: keep no half-started pool around
+            try:
+                pool.start()  # closes itself if it fails: keep no half-started pool around
+            finally:
+                self._reap_sizer()
             self._pool = pool
         return self._pool
 
@@ -282,10 +286,23 @@ class ShardLoader:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            os.waitpid(pid, 0)
+            # Its exit (tearing down a copy of this process's address space: 2-9 ms) overlaps
+            # the pool's start; _ensure_pool reaps it once the workers are forked.
+            self._sizer = pid
+        if not data:
+            self._reap_sizer()
         if len(data) != 8:
             return None
         return -(-int.from_bytes(data, "little") * self.batch_size // k)
+
+    def _reap_sizer(self) -> None:
+        """Wait for the child of :meth:`_sample_batch_bytes` (it has sent its figure)."""
+        pid, self._sizer = self._sizer, None
+        if pid is not None:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:  # a forked copy of this loader: not its child
+                pass
 
     def _cpus(self) -> tuple[int, ...] | None:
         cpus = self.options.cpus
@@ -460,6 +477,7 @@ class ShardLoader:
 
     def close(self) -> None:
         """Stop the workers and release shared memory (also done at garbage collection)."""
+        self._reap_sizer()
         if self._pool is not None:
             self._released.clear()
             self._pool.close()

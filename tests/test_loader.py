@@ -818,9 +818,15 @@ def test_auto_ring_bytes_sized_from_the_first_batch(
         text: Path, make_loader: Callable[..., ShardLoader]) -> None:
     from shardio.loader import AUTO_RING_BATCHES, AUTO_RING_MAX, AUTO_RING_MIN
 
+    def zombies() -> set[int]:
+        return {p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE}
+
+    before = zombies()
     loader = make_loader(ShardDataset(text), 4, collate_fn=huge_collate, **FAST)
     assert loader.options.ring_bytes == "auto"
     n = sum(1 for _ in loader)
+    # The sizing child was reaped once the workers were forked: no zombie is left.
+    assert loader._sizer is None and zombies() - before == set()
     want = AUTO_RING_BATCHES * (4 * (1 << 18))
     assert AUTO_RING_MIN <= loader.ring_bytes <= AUTO_RING_MAX
     assert loader.ring_bytes >= min(want, AUTO_RING_MAX)
