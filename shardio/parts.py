@@ -1,7 +1,7 @@
 """Multi-node packing: ``shardio pack --part I/N`` writes one part of the global shard plan,
 ``shardio merge OUT`` publishes the manifest once every part has finished.
 
-Every part scans the same input and computes the same global plan (:func:`shardio.packer.plan_shards`)
+Every part scans the same input and computes the same global plan (:func:`shardio.packplan.plan_shards`)
 and job fingerprint (which include neither I nor N), then writes a contiguous, byte-balanced share
 of the shards (:func:`split_plan`) under their global names, and publishes last, atomically, a
 part record ``.shardio-part-IIII-of-NNNN.json`` with the facts the manifest needs.  ``merge``
@@ -57,10 +57,8 @@ __all__ = ["PartResult", "merge", "split_plan"]
 
 from .packer import (
     _PART_FILE,
-    _TAR_END,
     DICT_NAME,
     STATE_NAME,
-    _canonical,
     _codec,
     _make_tasks,
     _ours,
@@ -70,6 +68,7 @@ from .packer import (
     _remove_parity,
     _write_shards,
 )
+from .packplan import _TAR_END, _canonical
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import pytest
 
 import shardio
 import shardio.formats.tar as tar_format
-from shardio import packer
+from shardio import packer, packplan
 from shardio._scan import scan_source
 from shardio.config import PackOptions
 from shardio.errors import EmptySourceError, ShardioError, StorageFullError, UnreadableFileError
@@ -362,8 +362,8 @@ def test_estimates_match_reference(tmp_path: Path) -> None:
         for fmt in ("tar", "hdf5"):
             for compress in (None, "zstd"):
                 opts = PackOptions(format=fmt, compress=compress, label_from_dir=label)
-                assert packer._estimates(scan.samples, opts) == \
-                    [packer._estimate(s, opts) for s in scan.samples]
+                assert packplan._estimates(scan.samples, opts) == \
+                    [packplan._estimate(s, opts) for s in scan.samples]
 
 
 def _reference_document(key: dict[str, Any], labels: Any, samples: list[Any]) -> str:
@@ -381,7 +381,7 @@ def test_job_document_matches_json(tmp_path: Path, name: str) -> None:
         scan = scan_source(str(src), str(tmp_path / "o"), files_from=None, label_from_dir=label,
                            on_error="raise")
         key = PackOptions(label_from_dir=label).output_key()
-        assert packer._job_document(key, scan.labels, scan.samples) == \
+        assert packplan._job_document(key, scan.labels, scan.samples) == \
             _reference_document(key, scan.labels, scan.samples)
 
 
