@@ -55,20 +55,16 @@ from .topology import Topology
 
 __all__ = ["PartResult", "merge", "split_plan"]
 
-from .packer import (
+from .packer import _codec, _make_tasks, _progress_bar, _publish, _write_shards
+from .packplan import _TAR_END, _canonical
+from .packstate import (
     _PART_FILE,
     DICT_NAME,
     STATE_NAME,
-    _codec,
-    _make_tasks,
     _ours,
-    _progress_bar,
-    _publish,
     _read_json,
     _remove_parity,
-    _write_shards,
 )
-from .packplan import _TAR_END, _canonical
 
 
 @dataclass(frozen=True)

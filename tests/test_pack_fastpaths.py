@@ -25,7 +25,7 @@ import pytest
 
 import shardio
 import shardio.formats.tar as tar_format
-from shardio import packer, packplan
+from shardio import packer, packplan, packstate
 from shardio._scan import scan_source
 from shardio.config import PackOptions
 from shardio.errors import EmptySourceError, ShardioError, StorageFullError, UnreadableFileError
@@ -224,7 +224,7 @@ def test_first_shards_are_written_while_the_scan_goes_on(tmp_path: Path, workers
     real = packer._pack_shard
 
     def note_state(task: Any, *args: Any) -> Any:
-        state = json.loads((out / packer.STATE_NAME).read_text())
+        state = json.loads((out / packstate.STATE_NAME).read_text())
         (seen / f"{task.number}.json").write_text(json.dumps(state))
         return real(task, *args)
 
@@ -247,7 +247,7 @@ def test_first_shards_are_written_while_the_scan_goes_on(tmp_path: Path, workers
     assert states[0]["job"] is None and states[0]["shards"] is None
     assert states[39]["job"] == m.job and states[39]["shards"] == 40
     assert listed == ["src", *[f"d{i}" for i in range(10)]]
-    assert not (out / packer.STATE_NAME).exists()
+    assert not (out / packstate.STATE_NAME).exists()
     # The same bytes as a pack that scans everything first (OUT not empty: no streaming).
     full = tmp_path / "full"
     full.mkdir()
