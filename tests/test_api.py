@@ -35,7 +35,7 @@ LAYERS: dict[str, int] = {
     "formats": 2, "lustre": 2, "decode": 2,
     "packer": 3, "_scan": 3, "reader": 3, "verify": 3, "summary": 3, "indexer": 3, "stage": 3,
     "repair": 3, "parity": 3, "ring": 3, "_tree": 3, "storagebench": 3, "parts": 3,
-    "_packpool": 3, "stageplan": 3, "nodecache": 3, "packplan": 3, "packstate": 3,
+    "_packpool": 3, "stageplan": 3, "nodecache": 3, "packplan": 3, "packstate": 3, "shmspace": 3,
     "pool": 4, "order": 4,
     "dataset": 5, "loader": 5, "stats": 5, "loaderbench": 5, "sharedbytes": 5,
     "cli": 6, "__main__": 6, "__init__": 6,

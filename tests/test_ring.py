@@ -657,7 +657,7 @@ def test_check_shm_space(tmp_path: Path) -> None:
         check_shm_space(100 << 20, SHM, cgroup_root=str(fake))
     check_shm_space(50 << 20, SHM, cgroup_root=str(fake))
     if os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize > 200 << 20:
-        from shardio.ring import _fs_type
+        from shardio.shmspace import _fs_type
 
         if _fs_type(str(tmp_path)) not in ("tmpfs", "ramfs"):
             check_shm_space(100 << 20, tmp_path, cgroup_root=str(fake))
