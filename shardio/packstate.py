@@ -34,6 +34,8 @@ from .formats import WrittenShard, load_index, verify_fields
 from .manifest import MANIFEST_NAME, Manifest
 from .packplan import _fingerprint
 
+__all__ = ["DICT_NAME", "STATE_NAME"]
+
 STATE_NAME = ".shardio-pack.json"
 # Part records and per-part state files of a multi-node pack (shardio.parts).
 _PART_FILE = re.compile(r"\.shardio-(part|pack)-(\d+)-of-(\d+)\.json")
