@@ -70,7 +70,7 @@ from ._tree import (
     write_times,
 )
 from .errors import RingClosedError, RingTimeoutError, WorkerCrashedError, WorkerError
-from .ring import Message, Ring, check_shm_space
+from .ring import DEFAULT_SHM_DIR, Message, Ring, check_shm_space, sweep_stale
 
 __all__ = ["BatchJob", "Cmd", "PoolOptions", "Sent", "SpilledMessage", "WorkerPool"]
 
@@ -78,6 +78,28 @@ log = logging.getLogger("shardio.pool")
 
 # How often a spilling worker whose ring is full looks whether main now wants its step.
 _SPILL_SLICE = 0.01
+
+# Ring directories this process has swept for files of dead creators (once each).
+_SWEPT: set[str] = set()
+
+
+def _sweep_once(directory: str | None) -> None:
+    """Before the first pool of this process puts rings in ``directory``: remove ring files
+    whose creator is gone.  Rings are unlinked right after they are mapped, so only a creator
+    killed inside ``Ring.create`` (or a named ring's creator) leaves one; nothing else would ever
+    free that memory."""
+    key = os.path.realpath(directory or DEFAULT_SHM_DIR)
+    if key in _SWEPT:
+        return
+    _SWEPT.add(key)
+    try:
+        removed = sweep_stale(key)
+    except OSError as exc:  # not listable: the ring creation reports the directory properly
+        log.debug("ring sweep of %s skipped: %s", key, exc)
+        return
+    if removed:
+        log.info("removed %d ring file(s) left by dead processes: %s", len(removed),
+                 ", ".join(removed))
 
 
 class Cmd(IntEnum):
@@ -301,6 +323,7 @@ class WorkerPool:
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         o = self.options
+        _sweep_once(o.shm_dir)
         check_shm_space(o.ring_bytes * o.num_workers, o.shm_dir)
         try:
             for i in range(o.num_workers):

@@ -78,8 +78,10 @@ Who unlinks
     The creator's ``close()`` (in the creating process) or anyone's ``unlink()``.  With
     ``Ring.create(..., unlink_now=True)`` the name is removed right after mapping: fork-inherited
     children share the mapping and nothing can be left behind, even after SIGKILL.  Named rings
-    (for ``Ring.attach`` from spawned processes) whose creator died are removed by
-    :func:`sweep_stale` (:mod:`shardio.shmspace`) at start-up.  The memory itself is freed when the last process unmaps it.
+    (for ``Ring.attach`` from spawned processes) whose creator died, and the file of a creator
+    killed inside :meth:`Ring.create`, are removed by :func:`sweep_stale` (:mod:`shardio.shmspace`),
+    which a worker pool runs once per directory before its first rings.  The memory itself is
+    freed when the last process unmaps it.
 
 The ring does not watch its peer: a caller that must notice a dead peer passes a timeout and checks
 the peer between waits.  A ``Ring`` object is used by one thread; a forked child that takes over

@@ -781,6 +781,28 @@ def test_absurd_ring_bytes_fails_before_any_worker(text: Path,
         assert new_workers(before) == []
 
 
+def test_loader_start_sweeps_rings_of_dead_creators(
+        images: tuple[Path, dict[str, np.ndarray], dict[str, int]],
+        make_loader: Callable[..., ShardLoader], tmp_path: Path) -> None:
+    """A creator SIGKILLed inside Ring.create leaves its file; the next loader's start removes
+    it, and keeps a file whose creator is alive."""
+    root, _pixels, _labels = images
+    rings = tmp_path / "rings"
+    rings.mkdir()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os._exit(0)
+    os.waitpid(pid, 0)  # reaped: no process has this pid now
+    stale = rings / f"shardio-{pid}-{'ab' * 8}"
+    stale.write_bytes(b"\0" * 4096)
+    alive = rings / f"shardio-{os.getpid()}-{'cd' * 8}"
+    alive.write_bytes(b"")
+    loader = make_loader(ShardDataset(root, seed=2, decode=True), 4, shm_dir=str(rings))
+    assert sum(1 for _ in loader) > 0
+    loader.close()
+    assert sorted(os.listdir(rings)) == [alive.name]
+
+
 def test_shm_dir_on_disk(images: tuple[Path, dict[str, np.ndarray], dict[str, int]],
                          make_loader: Callable[..., ShardLoader], tmp_path: Path) -> None:
     root, pixels, labels = images
