@@ -296,9 +296,19 @@ class LoaderOptions:
 
     Args:
         ring_bytes: shared memory per worker (``"128MiB"`` accepted); ``"auto"`` (default):
-            room for 3 batches the size of the epoch's first batch (estimated from its first
-            16 samples, built once in a forked child), 8-256 MiB.  A batch larger than the
-            ring travels through a pipe (one copy, one warning) instead of failing.
+            room for ``prefetch_factor + 1`` batches the size of the epoch's first batch
+            (estimated from its first 16 samples, built once in a forked child), 8-256 MiB.
+            A batch larger than the ring travels through a pipe (one copy, one warning)
+            instead of failing.
+        prefetch_factor: batches each worker prepares ahead of the training loop, as
+            DataLoader's argument of that name (default 2).  A worker writes batches into its
+            ring until it is full, so this sets the ring's size with ``ring_bytes="auto"``:
+            the batch the loop holds plus these, but at least ``h / max_held_fraction``
+            batches, ``h`` being what the loop holds in one ring while the next batch arrives
+            (2 with one worker, whose ring also holds the last batch; else 1): 4 and 2 by
+            default.  In a smaller ring the held batches would pass ``max_held_fraction`` and
+            every batch would be copied out.  An explicit ``ring_bytes`` sets the depth itself
+            (``ring_bytes`` / batch bytes, minus the ones held).
         shm_dir: directory for the rings (default ``/dev/shm``); any file-backed directory works
             where ``/dev/shm`` is small.
         cpus: CPUs to pin workers to, one each, round-robin (e.g. the cores of one NUMA node);
@@ -317,6 +327,7 @@ class LoaderOptions:
     """
 
     ring_bytes: int | str = "auto"
+    prefetch_factor: int = 2
     shm_dir: str | None = None
     cpus: tuple[int, ...] | str | None = None
     poll_interval: float = 0.2
@@ -337,6 +348,10 @@ class LoaderOptions:
             object.__setattr__(self, "cpus", tuple(int(c) for c in self.cpus))
             if not self.cpus:
                 raise UsageError("cpus must name at least one CPU")
+        if (isinstance(self.prefetch_factor, bool) or not isinstance(self.prefetch_factor, int)
+                or self.prefetch_factor < 1):
+            raise UsageError(f"prefetch_factor must be an integer >= 1, got "
+                             f"{self.prefetch_factor!r}")
         if self.poll_interval <= 0:
             raise UsageError(f"poll_interval must be > 0, got {self.poll_interval}")
         if self.max_restarts < 0:

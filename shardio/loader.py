@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -41,10 +42,11 @@ __all__ = ["ShardLoader"]
 log = logging.getLogger("shardio.loader")
 
 AUTO_RING_BATCHES = 3
-"""``ring_bytes="auto"``: batches each worker's ring holds (in flight plus held by the loop).
-Three: the batch the loop holds plus DataLoader's default prefetch of two; every ring page is
-touched once the ring has wrapped, so each batch more is a batch of resident shared memory per
-worker (a fourth raised the raw-mode tree's peak PSS by ~10 MB, 3%, with no gain in samples/s)."""
+"""``ring_bytes="auto"`` with the default ``prefetch_factor`` (2) and two or more workers:
+batches each ring holds, the ``prefetch_factor`` ready ahead plus the one the loop holds (one
+worker gets 4: see :meth:`ShardLoader._ring_bytes`).  Every ring page is touched once the ring
+has wrapped, so each batch more is a batch of resident shared memory per worker (a fourth
+raised the raw-mode tree's peak PSS by ~10 MB, 3%, with no gain in samples/s)."""
 AUTO_SAMPLES = 16
 """``ring_bytes="auto"`` measures a batch of this many samples and scales it to ``batch_size``
 (building a whole first batch would cost a full batch of decoding before any worker starts)."""
@@ -232,7 +234,7 @@ class ShardLoader:
         return self._pool
 
     def _ring_bytes(self) -> int:
-        """``ring_bytes``, or for ``"auto"`` room for :data:`AUTO_RING_BATCHES` batches of the size
+        """``ring_bytes``, or for ``"auto"`` room for ``prefetch_factor + 1`` batches of the size
         of this epoch's first batch (estimated from its first :data:`AUTO_SAMPLES` samples), in
         whole MiB between :data:`AUTO_RING_MIN` and :data:`AUTO_RING_MAX`
         (:data:`AUTO_RING_FALLBACK` if that sample batch cannot be built)."""
@@ -243,7 +245,14 @@ class ShardLoader:
         if nbytes is None:
             size = AUTO_RING_FALLBACK
         else:
-            want = AUTO_RING_BATCHES * (nbytes + 4096)
+            o = self.options
+            # While the next batch arrives, the loop still holds the last one: from the same ring
+            # with one worker (2 batches held there), from another ring with more (1).  Held
+            # batches over max_held_fraction of a ring are copied out, so the ring holds at least
+            # held / fraction batches (4 and 2 by default).
+            held = 2 if self.num_workers == 1 else 1
+            batches = max(o.prefetch_factor + 1, math.ceil(held / o.max_held_fraction))
+            want = batches * (nbytes + 4096)
             size = min(AUTO_RING_MAX, max(AUTO_RING_MIN, -(-want // (1 << 20)) << 20))
         log.info("ring_bytes auto: first batch %s bytes -> %d MiB per worker", nbytes, size >> 20)
         self.ring_bytes = size

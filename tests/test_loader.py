@@ -38,9 +38,10 @@ import pytest
 import torch
 
 import shardio
-from shardio import ShardDataset, ShardLoader, Topology
+from shardio import LoaderOptions, ShardDataset, ShardLoader, Topology
 from shardio.errors import (
     ShmSpaceError,
+    UsageError,
     WorkerCrashedError,
     WorkerError,
 )
@@ -870,6 +871,33 @@ def test_auto_ring_bytes_estimated_from_16_samples(
     n = sum(1 for _ in loader)
     assert loader.ring_bytes >= AUTO_RING_BATCHES * 32 * (1 << 16)
     assert n > 0 and loader.stats()["copied_out"] == 0
+
+
+def test_prefetch_factor_sizes_auto_rings(
+        text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    """prefetch_factor (DataLoader's name): each auto-sized ring holds that many batches ready
+    plus the one the loop holds (at least what keeps held batches under max_held_fraction);
+    the default is DataLoader's 2."""
+    from shardio.loader import AUTO_RING_BATCHES
+
+    def rows(samples: list[dict[str, Any]]) -> np.ndarray:
+        return np.zeros((len(samples), 1 << 18), dtype=np.uint8)
+
+    assert LoaderOptions().prefetch_factor + 1 == AUTO_RING_BATCHES
+    batch = 32 * (1 << 18)  # 8 MiB: above the 8 MiB floor even with factor 1
+    sizes = {}
+    for factor in (1, 6):
+        loader = make_loader(ShardDataset(text, batch_size=32), 32, num_workers=1,
+                             collate_fn=rows, prefetch_factor=factor, **FAST)
+        assert sum(1 for _ in loader) > 0 and loader.stats()["copied_out"] == 0
+        sizes[factor] = loader.ring_bytes
+        loader.close()
+    # One worker: the loop's last batch and the arriving one share the ring, so even factor 1
+    # gets 4 batches (2 held stay within max_held_fraction 0.5); nothing was copied out.
+    assert 4 * batch <= sizes[1] < (6 + 1) * batch <= sizes[6]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(UsageError, match="prefetch_factor"):
+            LoaderOptions(prefetch_factor=bad)
 
 
 def worker_runtime(samples: list[dict[str, Any]]) -> np.ndarray:
