@@ -36,7 +36,8 @@ def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(path: str, workers: int, *, batch_size: int, steps: int, step_time: float,
-            decode: bool, cache_dir: str | None, seed: int) -> dict[str, Any]:
+            decode: bool, cache_dir: str | None, seed: int,
+            loader_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """One worker count: warm-up batch, then ``steps`` simulated training steps."""
     from .dataset import ShardDataset
     from .loader import ShardLoader
@@ -45,7 +46,8 @@ def measure(path: str, workers: int, *, batch_size: int, steps: int, step_time: 
     ds = ShardDataset(path, decode=decode, batch_size=batch_size, seed=seed, **kw)
     t0 = time.perf_counter()
     epoch, done, samples = 0, 0, 0
-    with ShardLoader(ds, batch_size=batch_size, num_workers=workers) as loader:
+    with ShardLoader(ds, batch_size=batch_size, num_workers=workers,
+                     **(loader_options or {})) as loader:
         loader.set_epoch(epoch)
         it = iter(loader)
         next(it)
@@ -88,9 +90,13 @@ def _batch_len(batch: Any) -> int:
 
 def run_loader_bench(path: str, *, workers: Sequence[int] = (1, 2, 4), batch_size: int = 64,
                      steps: int = 50, step_time: float = 0.05, decode: bool = False,
-                     cache_dir: str | None = None, target: float = 0.05, seed: int = 0
+                     cache_dir: str | None = None, target: float = 0.05, seed: int = 0,
+                     cpus: Sequence[int] | str | None = None, prefetch_factor: int = 2
                      ) -> dict[str, Any]:
     """Measure each worker count; return the runs and the recommendation.
+
+    ``cpus`` and ``prefetch_factor`` go to every ``ShardLoader`` (:class:`~shardio.LoaderOptions`:
+    pin workers to these CPUs, or ``"auto"``; batches each worker prepares ahead).
 
     Raises:
         UsageError: bad settings.
@@ -101,9 +107,14 @@ def run_loader_bench(path: str, *, workers: Sequence[int] = (1, 2, 4), batch_siz
 
     if steps < 1 or batch_size < 1 or step_time < 0 or not workers or min(workers) < 1:
         raise UsageError("need --steps >= 1, --batch-size >= 1, --step-time >= 0, --workers >= 1")
+    from .config import LoaderOptions
+
+    opts = {"cpus": cpus, "prefetch_factor": prefetch_factor}
+    LoaderOptions(**opts)  # bad values fail here, before any worker starts
     manifest = Manifest.load(path)
     runs = [measure(path, w, batch_size=batch_size, steps=steps, step_time=step_time,
-                    decode=decode, cache_dir=cache_dir, seed=seed) for w in sorted(set(workers))]
+                    decode=decode, cache_dir=cache_dir, seed=seed, loader_options=opts)
+            for w in sorted(set(workers))]
     ok = [r["workers"] for r in runs if r["wait_fraction"] < target]
     best = min(runs, key=lambda r: r["wait_fraction"])
     if ok:
@@ -119,6 +130,8 @@ def run_loader_bench(path: str, *, workers: Sequence[int] = (1, 2, 4), batch_siz
     return {"dataset": os.path.abspath(path), "samples": manifest.num_samples,
             "batch_size": batch_size, "steps": steps, "step_time_s": step_time, "decode": decode,
             "cache_dir": cache_dir, "target_wait_fraction": target, "runs": runs,
+            "pinned_cpus": list(cpus) if isinstance(cpus, (list, tuple)) else cpus,
+            "prefetch_factor": prefetch_factor,
             "recommended_workers": ok[0] if ok else None, "advice": advice,
             "cpus": os.cpu_count(), "loadavg": os.getloadavg()[0]}
 
@@ -151,7 +164,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="store_true", help="decode samples (images, json, ...)")
     p.add_argument("--cache-dir", default=None, help="stage to this node-local directory")
     p.add_argument("--target", type=float, default=0.05, help="acceptable wait fraction")
+    p.add_argument("--cpus", default=None,
+                   help="pin workers to these CPUs, one each, round-robin: a list like 0-7,16 "
+                        "(e.g. one NUMA node's cores) or 'auto' (cgroup/Slurm binding, NUMA "
+                        "node first); default: not pinned")
+    p.add_argument("--prefetch-factor", type=int, default=2,
+                   help="batches each worker prepares ahead (DataLoader's prefetch_factor)")
     p.add_argument("--json", action="store_true")
+
+
+def _cpu_list(text: str | None) -> list[int] | str | None:
+    """``--cpus``: None, ``"auto"``, or a list in the kernel's cpulist format (``0-3,8``)."""
+    from .errors import UsageError
+    from .topology import _parse_cpulist
+
+    if text is None or text == "auto":
+        return text
+    try:
+        cpus = _parse_cpulist(text)
+    except ValueError as exc:
+        raise UsageError(f"--cpus {text!r}: write 'auto' or a list like 0-3,8") from exc
+    if not cpus:
+        raise UsageError(f"--cpus {text!r}: names no CPU; write 'auto' or a list like 0-3,8")
+    return cpus
 
 
 def run_cli(a: argparse.Namespace) -> int:
@@ -167,7 +202,8 @@ def run_cli(a: argparse.Namespace) -> int:
         workers = [w for w in (1, 2, 4, 8, 16, 32, 64) if w <= cpus] or [1]
     r = run_loader_bench(a.dataset, workers=workers, batch_size=a.batch_size, steps=a.steps,
                          step_time=a.step_time, decode=a.decode, cache_dir=a.cache_dir,
-                         target=a.target)
+                         target=a.target, cpus=_cpu_list(a.cpus),
+                         prefetch_factor=a.prefetch_factor)
     print(json.dumps(r, sort_keys=True) if a.json else format_report(r))
     sys.stdout.flush()
     return 0

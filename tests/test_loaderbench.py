@@ -40,3 +40,20 @@ def test_loader_bench_table_and_bad_usage(ds: Path, cli) -> None:
     assert "recommendation: 1 worker(s)" in out and "wait %" in out
     rc, _out, err = cli("bench", "loader", ds, "--workers", "one")
     assert rc == 2 and "--workers" in err
+
+
+def test_loader_bench_pins_workers_and_sets_prefetch(ds: Path, cli) -> None:
+    """--cpus and --prefetch-factor reach the loaders (the report records them; pinning itself
+    is tested in test_loader.py); bad values are usage errors."""
+    import os
+
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    rc, out, err = cli("bench", "loader", ds, "--workers", "1", "--steps", "3",
+                       "--step-time", "0", "--batch-size", "4", "--cpus", f"{cpu}-{cpu}",
+                       "--prefetch-factor", "3", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["pinned_cpus"] == [cpu] and r["prefetch_factor"] == 3
+    for bad in (["--cpus", "x"], ["--cpus", "3-1"], ["--prefetch-factor", "0"]):
+        rc, _out, err = cli("bench", "loader", ds, "--workers", "1", *bad)
+        assert rc == 2 and (bad[0] in err or "prefetch_factor" in err), (bad, err)
