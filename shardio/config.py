@@ -303,12 +303,8 @@ class LoaderOptions:
         prefetch_factor: batches each worker prepares ahead of the training loop, as
             DataLoader's argument of that name (default 2).  A worker writes batches into its
             ring until it is full, so this sets the ring's size with ``ring_bytes="auto"``:
-            the batch the loop holds plus these, but at least ``h / max_held_fraction``
-            batches, ``h`` being what the loop holds in one ring while the next batch arrives
-            (2 with one worker, whose ring also holds the last batch; else 1): 4 and 2 by
-            default.  In a smaller ring the held batches would pass ``max_held_fraction`` and
-            every batch would be copied out.  An explicit ``ring_bytes`` sets the depth itself
-            (``ring_bytes`` / batch bytes, minus the ones held).
+            the batch the loop holds plus these.  An explicit ``ring_bytes`` sets the depth
+            itself (``ring_bytes`` / batch bytes, minus the one held).
         shm_dir: directory for the rings (default ``/dev/shm``); any file-backed directory works
             where ``/dev/shm`` is small.
         cpus: CPUs to pin workers to, one each, round-robin (e.g. the cores of one NUMA node);
@@ -319,8 +315,9 @@ class LoaderOptions:
             time to notice a dead worker, and how long a worker whose ring stays full waits before
             it sends the batch main is waiting for through its overflow pipe instead.
         max_restarts: worker deaths tolerated per worker before WorkerCrashedError.
-        max_held_fraction: when batches the user still holds occupy more than this fraction of a
-            ring, new batches are copied out of the ring instead (with a warning).
+        max_held_fraction: when batches the user still holds (not counting the one arriving)
+            occupy more than this fraction of a ring, new batches are copied out of the ring
+            instead (with a warning).
         log_every: log data-wait statistics every this many steps (0: never).
         warn_window: steps over which persistent data starvation is judged.
         warn_wait_ratio: warn once when waiting exceeds this multiple of computing.

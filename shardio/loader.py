@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import select
 import signal
@@ -42,11 +41,10 @@ __all__ = ["ShardLoader"]
 log = logging.getLogger("shardio.loader")
 
 AUTO_RING_BATCHES = 3
-"""``ring_bytes="auto"`` with the default ``prefetch_factor`` (2) and two or more workers:
-batches each ring holds, the ``prefetch_factor`` ready ahead plus the one the loop holds (one
-worker gets 4: see :meth:`ShardLoader._ring_bytes`).  Every ring page is touched once the ring
-has wrapped, so each batch more is a batch of resident shared memory per worker (a fourth
-raised the raw-mode tree's peak PSS by ~10 MB, 3%, with no gain in samples/s)."""
+"""``ring_bytes="auto"`` with the default ``prefetch_factor`` (2): batches each worker's ring
+holds, the ``prefetch_factor`` ready ahead plus the one the loop holds.  Every ring page is
+touched once the ring has wrapped, so each batch more is a batch of resident shared memory per
+worker (a fourth raised the raw-mode tree's peak PSS by ~10 MB, 3%, with no gain in samples/s)."""
 AUTO_SAMPLES = 16
 """``ring_bytes="auto"`` measures a batch of this many samples and scales it to ``batch_size``
 (building a whole first batch would cost a full batch of decoding before any worker starts)."""
@@ -245,14 +243,7 @@ class ShardLoader:
         if nbytes is None:
             size = AUTO_RING_FALLBACK
         else:
-            o = self.options
-            # While the next batch arrives, the loop still holds the last one: from the same ring
-            # with one worker (2 batches held there), from another ring with more (1).  Held
-            # batches over max_held_fraction of a ring are copied out, so the ring holds at least
-            # held / fraction batches (4 and 2 by default).
-            held = 2 if self.num_workers == 1 else 1
-            batches = max(o.prefetch_factor + 1, math.ceil(held / o.max_held_fraction))
-            want = batches * (nbytes + 4096)
+            want = (self.options.prefetch_factor + 1) * (nbytes + 4096)
             size = min(AUTO_RING_MAX, max(AUTO_RING_MIN, -(-want // (1 << 20)) << 20))
         log.info("ring_bytes auto: first batch %s bytes -> %d MiB per worker", nbytes, size >> 20)
         self.ring_bytes = size
@@ -379,7 +370,9 @@ class ShardLoader:
                     "ring_bytes", RuntimeWarning, stacklevel=3)
             self._stats.copied_out += 1
             return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views)
-        if spilled or ring.held_bytes() > ring.capacity * self.options.max_held_fraction:
+        # Batches the loop still holds, not counting this one (it has only just arrived).
+        if spilled or (ring.held_bytes() - msg.nbytes
+                       > ring.capacity * self.options.max_held_fraction):
             if not self._warned_copy:
                 self._warned_copy = True
                 warnings.warn(

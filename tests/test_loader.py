@@ -876,8 +876,7 @@ def test_auto_ring_bytes_estimated_from_16_samples(
 def test_prefetch_factor_sizes_auto_rings(
         text: Path, make_loader: Callable[..., ShardLoader]) -> None:
     """prefetch_factor (DataLoader's name): each auto-sized ring holds that many batches ready
-    plus the one the loop holds (at least what keeps held batches under max_held_fraction);
-    the default is DataLoader's 2."""
+    plus the one the loop holds; the default is DataLoader's 2."""
     from shardio.loader import AUTO_RING_BATCHES
 
     def rows(samples: list[dict[str, Any]]) -> np.ndarray:
@@ -892,9 +891,9 @@ def test_prefetch_factor_sizes_auto_rings(
         assert sum(1 for _ in loader) > 0 and loader.stats()["copied_out"] == 0
         sizes[factor] = loader.ring_bytes
         loader.close()
-    # One worker: the loop's last batch and the arriving one share the ring, so even factor 1
-    # gets 4 batches (2 held stay within max_held_fraction 0.5); nothing was copied out.
-    assert 4 * batch <= sizes[1] < (6 + 1) * batch <= sizes[6]
+    # One worker: the loop's last batch and the arriving one share the ring; only the last one
+    # counts against max_held_fraction (0.5), so even a 2-batch ring copies nothing out.
+    assert (1 + 1) * batch <= sizes[1] < (6 + 1) * batch <= sizes[6]
     for bad in (0, -1, 1.5, True):
         with pytest.raises(UsageError, match="prefetch_factor"):
             LoaderOptions(prefetch_factor=bad)
