@@ -40,11 +40,6 @@ __all__ = ["ShardLoader"]
 
 log = logging.getLogger("shardio.loader")
 
-AUTO_RING_BATCHES = 3
-"""``ring_bytes="auto"`` with the default ``prefetch_factor`` (2): batches each worker's ring
-holds, the ``prefetch_factor`` ready ahead plus the one the loop holds.  Every ring page is
-touched once the ring has wrapped, so each batch more is a batch of resident shared memory per
-worker (a fourth raised the raw-mode tree's peak PSS by ~10 MB, 3%, with no gain in samples/s)."""
 AUTO_SAMPLES = 16
 """``ring_bytes="auto"`` measures a batch of this many samples and scales it to ``batch_size``
 (building a whole first batch would cost a full batch of decoding before any worker starts)."""

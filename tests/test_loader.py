@@ -839,7 +839,7 @@ def test_batch_bigger_than_the_ring(text: Path, make_loader: Callable[..., Shard
 
 def test_auto_ring_bytes_sized_from_the_first_batch(
         text: Path, make_loader: Callable[..., ShardLoader]) -> None:
-    from shardio.loader import AUTO_RING_BATCHES, AUTO_RING_MAX, AUTO_RING_MIN
+    from shardio.loader import AUTO_RING_MAX, AUTO_RING_MIN
 
     def zombies() -> set[int]:
         return {p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE}
@@ -850,7 +850,7 @@ def test_auto_ring_bytes_sized_from_the_first_batch(
     n = sum(1 for _ in loader)
     # The sizing child was reaped once the workers were forked: no zombie is left.
     assert loader._sizer is None and zombies() - before == set()
-    want = AUTO_RING_BATCHES * (4 * (1 << 18))
+    want = (LoaderOptions().prefetch_factor + 1) * (4 * (1 << 18))
     assert AUTO_RING_MIN <= loader.ring_bytes <= AUTO_RING_MAX
     assert loader.ring_bytes >= min(want, AUTO_RING_MAX)
     assert n > 0 and loader.stats()["copied_out"] == 0
@@ -859,8 +859,8 @@ def test_auto_ring_bytes_sized_from_the_first_batch(
 def test_auto_ring_bytes_estimated_from_16_samples(
         text: Path, make_loader: Callable[..., ShardLoader]) -> None:
     """A batch larger than the 16-sample probe is sized by scaling the probe: room for
-    AUTO_RING_BATCHES batches of 32 rows of 64 KiB, and nothing copied out."""
-    from shardio.loader import AUTO_RING_BATCHES, AUTO_SAMPLES
+    prefetch_factor + 1 batches of 32 rows of 64 KiB, and nothing copied out."""
+    from shardio.loader import AUTO_SAMPLES
 
     def rows(samples: list[dict[str, Any]]) -> np.ndarray:
         return np.zeros((len(samples), 1 << 16), dtype=np.uint8)
@@ -869,7 +869,7 @@ def test_auto_ring_bytes_estimated_from_16_samples(
     loader = make_loader(ShardDataset(text, batch_size=32), 32, num_workers=1, collate_fn=rows,
                          **FAST)
     n = sum(1 for _ in loader)
-    assert loader.ring_bytes >= AUTO_RING_BATCHES * 32 * (1 << 16)
+    assert loader.ring_bytes >= (LoaderOptions().prefetch_factor + 1) * 32 * (1 << 16)
     assert n > 0 and loader.stats()["copied_out"] == 0
 
 
@@ -877,12 +877,10 @@ def test_prefetch_factor_sizes_auto_rings(
         text: Path, make_loader: Callable[..., ShardLoader]) -> None:
     """prefetch_factor (DataLoader's name): each auto-sized ring holds that many batches ready
     plus the one the loop holds; the default is DataLoader's 2."""
-    from shardio.loader import AUTO_RING_BATCHES
-
     def rows(samples: list[dict[str, Any]]) -> np.ndarray:
         return np.zeros((len(samples), 1 << 18), dtype=np.uint8)
 
-    assert LoaderOptions().prefetch_factor + 1 == AUTO_RING_BATCHES
+    assert LoaderOptions().prefetch_factor == 2  # DataLoader's default
     batch = 32 * (1 << 18)  # 8 MiB: above the 8 MiB floor even with factor 1
     sizes = {}
     for factor in (1, 6):
