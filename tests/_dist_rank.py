@@ -21,8 +21,10 @@ The job ends with a ``barrier`` so every rank proves it reached the end.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -72,6 +74,9 @@ def run_one(spec: dict, rank: int, world: int) -> dict:
 
 
 def main() -> int:
+    # On SIGUSR1 (sent by the test when the job overruns its deadline) this process and the
+    # DataLoader workers it forks (they inherit the handler) print every thread's stack.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     spec_path, out_path = sys.argv[1], sys.argv[2]
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
