@@ -178,11 +178,12 @@ def _group_members(groups: list[int]) -> list[int]:
     return sorted(found, key=lambda pid: (pid not in groups, pid))
 
 
-def launch(world: int, runs: list[dict[str, Any]], work: Path, timeout: float = 150.0,
+def launch(world: int, runs: list[dict[str, Any]], work: Path, timeout: float = 120.0,
            ) -> list[dict[str, Any]]:
     """Run ``_dist_rank.py`` as ``world`` real processes joined by a gloo process group; return
     each rank's result.  A failing rank, or a job that overruns ``timeout`` twice, fails the test
-    with every rank's output and, for a hang, every thread's stack in every process."""
+    with every rank's output and, for a hang, every thread's stack in every process.  (A job
+    takes 2-10 s; two overruns of 120 s stay inside pytest-timeout's 300 s per test.)"""
     work.mkdir(parents=True, exist_ok=True)
     spec = work / "spec.json"
     spec.write_text(json.dumps({"runs": runs}))
