@@ -5,7 +5,8 @@ Launched by ``tests/test_dataset.py`` once per rank::
     MASTER_ADDR=127.0.0.1 MASTER_PORT=... RANK=r WORLD_SIZE=R python tests/_dist_rank.py SPEC OUT
 
 ``SPEC`` is a JSON file ``{"runs": [run, ...]}``; every rank performs the runs in order, each a
-real ``DataLoader`` (with real worker processes) over a fresh ``ShardDataset``::
+real ``DataLoader`` (with real worker processes, started by a forkserver: see
+``WORKERS_CONTEXT``) over a fresh ``ShardDataset``::
 
     {"name": str, "data": dataset dir, "batch_size": B, "workers": W, "remainder": "pad"|"drop",
      "seed": int, "epoch": int, "max_batches": int|null, "state_in": path|null}
@@ -23,6 +24,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -39,6 +41,21 @@ from torch.utils.data import DataLoader  # noqa: E402
 import shardio  # noqa: E402
 
 
+# The DataLoader workers are forked by a forkserver, not by this process.  On CPython before
+# 3.12, forking a process whose gloo threads create or delete Python thread states can leave the
+# child stuck in PyOS_AfterFork_Child on the runtime lock one of them held at that moment
+# (python/cpython#112275): it happened once in CI, and once in ~2,500 runs here, where gdb
+# showed both workers of a run in _PyThreadState_DeleteExcept.  A forkserver is
+# single-threaded; it also makes the workers unpickle the dataset, as spawn does.
+WORKERS_CONTEXT = multiprocessing.get_context("forkserver")
+WORKERS_CONTEXT.set_forkserver_preload(["torch", "shardio"])
+
+
+def dump_on_usr1(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: a worker, too, prints every thread's stack on SIGUSR1."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def collate_keys(batch: list[dict]) -> list[str]:
     return [s["__key__"] for s in batch]
 
@@ -53,7 +70,8 @@ def run_one(spec: dict, rank: int, world: int) -> dict:
     ds.set_epoch(spec.get("epoch", ds.epoch))
     topo = ds.topology
     dl = DataLoader(ds, batch_size=spec["batch_size"], num_workers=spec["workers"],
-                    collate_fn=collate_keys)
+                    collate_fn=collate_keys, multiprocessing_context=WORKERS_CONTEXT,
+                    worker_init_fn=dump_on_usr1)
     out: dict = {"len": len(ds), "dl_len": len(dl), "topology": [topo.rank, topo.world_size],
                  "batches": []}
     limit = spec.get("max_batches")
@@ -74,8 +92,8 @@ def run_one(spec: dict, rank: int, world: int) -> dict:
 
 
 def main() -> int:
-    # On SIGUSR1 (sent by the test when the job overruns its deadline) this process and the
-    # DataLoader workers it forks (they inherit the handler) print every thread's stack.
+    # On SIGUSR1 (sent by the test when the job overruns its deadline) this process and its
+    # DataLoader workers (dump_on_usr1) print every thread's stack.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     spec_path, out_path = sys.argv[1], sys.argv[2]
     spec = json.loads(Path(spec_path).read_text())
