@@ -317,6 +317,10 @@ class LoaderOptions:
             time to notice a dead worker, and how long a worker whose ring stays full waits before
             it sends the batch main is waiting for through its overflow pipe instead.
         max_restarts: worker deaths tolerated per worker before WorkerCrashedError.
+        start_timeout: seconds a freshly forked worker (or the ring-sizing child) may take to
+            reach its own code; one that has not is stuck inside ``fork`` (CPython before 3.12,
+            python/cpython#112275: another thread of the training process held an interpreter
+            lock at the fork) and is killed and started again, counted as a restart.
         max_held_fraction: when batches the user still holds (not counting the one arriving)
             occupy more than this fraction of a ring, new batches are copied out of the ring
             instead (with a warning).
@@ -331,6 +335,7 @@ class LoaderOptions:
     cpus: tuple[int, ...] | str | None = None
     poll_interval: float = 0.2
     max_restarts: int = 3
+    start_timeout: float = 30.0
     max_held_fraction: float = 0.5
     log_every: int = 0
     warn_window: int = 50
@@ -355,5 +360,7 @@ class LoaderOptions:
             raise UsageError(f"poll_interval must be > 0, got {self.poll_interval}")
         if self.max_restarts < 0:
             raise UsageError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.start_timeout > 0:
+            raise UsageError(f"start_timeout must be > 0 seconds, got {self.start_timeout}")
         if not 0 < self.max_held_fraction <= 1:
             raise UsageError(f"max_held_fraction must be in (0, 1], got {self.max_held_fraction}")

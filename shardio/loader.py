@@ -217,7 +217,7 @@ class ShardLoader:
                 _Job(self.dataset, self.collate_fn),
                 PoolOptions(num_workers=self.num_workers, ring_bytes=self._ring_bytes(),
                             shm_dir=o.shm_dir, cpus=self._cpus(), poll_interval=o.poll_interval,
-                            max_restarts=o.max_restarts),
+                            max_restarts=o.max_restarts, start_timeout=o.start_timeout),
             )
             try:
                 pool.start()  # closes itself if it fails: keep no half-started pool around
@@ -249,7 +249,19 @@ class ShardLoader:
         :data:`AUTO_SAMPLES` samples, built in a forked child and scaled to ``batch_size``.  The
         user's transform and collate run in a process of their own, as in the workers, so
         nothing they do (CUDA, exit, a crash) touches the training process.  None if it fails
-        or takes over ``timeout``."""
+        or takes over ``timeout``.  A child stuck inside ``fork`` (see ``start_timeout``) is
+        replaced once."""
+        for _attempt in range(2):
+            got = self._size_in_child(timeout)
+            if got != "stuck":
+                return got  # type: ignore[return-value]
+            log.warning("the ring-sizing child was still inside fork %g s after it (see "
+                        "start_timeout); forking another", self.options.start_timeout)
+        return None
+
+    def _size_in_child(self, timeout: float) -> int | None | str:
+        """One sizing child: its figure, None if it failed or overran ``timeout``, or "stuck"
+        if it did not reach its own code within ``start_timeout``."""
         ds = self.dataset
         topo = ds.topology
         k = min(AUTO_SAMPLES, self.batch_size)
@@ -260,6 +272,7 @@ class ShardLoader:
         if pid == 0:  # pragma: no cover - child
             code = 0
             try:
+                os.write(w, b"S")  # out of fork
                 os.close(r)
                 job = _Job(ds, self.collate_fn)
                 job.report = False  # a sample batch, not a reader the stager should wait for
@@ -271,12 +284,22 @@ class ShardLoader:
             finally:
                 os._exit(code)
         os.close(w)
+        data, stuck = b"", False
         try:
-            ready = select.select([r], [], [], timeout)[0]
-            data = os.read(r, 8) if ready else b""
+            start = time.monotonic()
+            ends = (start + min(self.options.start_timeout, timeout), start + timeout)
+            while len(data) < 9:
+                left = ends[1 if data else 0] - time.monotonic()
+                if left <= 0 or not select.select([r], [], [], left)[0]:
+                    stuck = not data
+                    break
+                chunk = os.read(r, 9 - len(data))
+                if not chunk:  # the child failed (it exits without its figure)
+                    break
+                data += chunk
         finally:
             os.close(r)
-            if not data:
+            if len(data) < 9:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -284,11 +307,13 @@ class ShardLoader:
             # Its exit (tearing down a copy of this process's address space: 2-9 ms) overlaps
             # the pool's start; _ensure_pool reaps it once the workers are forked.
             self._sizer = pid
-        if not data:
+        if len(data) < 9:
             self._reap_sizer()
-        if len(data) != 8:
+        if stuck:
+            return "stuck"
+        if len(data) != 9:
             return None
-        return -(-int.from_bytes(data, "little") * self.batch_size // k)
+        return -(-int.from_bytes(data[1:], "little") * self.batch_size // k)
 
     def _reap_sizer(self) -> None:
         """Wait for the child of :meth:`_sample_batch_bytes` (it has sent its figure)."""

@@ -41,6 +41,15 @@ Failure handling
     rings (unlinked at creation) vanish with the last mapping.  A worker closes the inherited main
     ends of every pipe, so that closing the pool (main's ends) unblocks a worker stuck on one.
 
+Stuck start
+    On CPython before 3.12, a process forked while another of the parent's threads held the
+    runtime's thread-state lock stops for good inside ``fork``, before any of its own code runs
+    (python/cpython#112275).  A training process's C++ threads (gloo, NCCL, autograd) take that
+    lock when they enter Python, so now and then a forked worker would hang the loader.  Each
+    worker writes its pid into the shared array ``started`` first thing; one that main waits on
+    and has not done so ``start_timeout`` seconds after its fork is killed and restarted like a
+    dead worker (and counted in ``restarts``).
+
 Worker states: STARTING → IDLE ⇄ PRODUCING → STOPPED | DEAD (→ restarted as a new STARTING).
 """
 
@@ -126,6 +135,7 @@ class PoolOptions:
     poll_interval: float = 0.2
     max_restarts: int = 3
     join_timeout: float = 5.0
+    start_timeout: float = 30.0
 
 
 class SpilledMessage:
@@ -234,8 +244,9 @@ def _write(plan: Plan, buf: memoryview, step: int, times: list[float], kind: int
 
 
 def _worker_main(job: BatchJob, ring: Ring, conn: Any, data: Any, gen: Any, want: Any,
-                 index: int, cpus: Sequence[int] | None, parent: int, poll: float,
-                 main_ends: Sequence[Any]) -> None:
+                 started: Any, index: int, cpus: Sequence[int] | None, parent: int,
+                 poll: float, main_ends: Sequence[Any]) -> None:
+    started[index] = os.getpid()  # out of fork: see "Stuck start" in the module docstring
     _set_pdeathsig()
     if os.getppid() != parent:  # main died before prctl took effect
         os._exit(1)
@@ -294,6 +305,7 @@ class _Worker:
     conn: Any = None  # control pipe, main's (sending) end
     data: Any = None  # spill pipe, main's (receiving) end
     restarts: int = 0
+    spawned: float = 0.0  # time.monotonic() of the fork
     spilling: bool = False  # the last message came through the spill pipe
     # Messages of the current epoch received ahead of the step main waits for, by step.
     early: dict[int, tuple[Ring | None, Any]] = field(default_factory=dict)
@@ -316,6 +328,8 @@ class WorkerPool:
         self._ctx = mp.get_context("fork")
         self._gen = self._ctx.RawValue("q", 0)
         self._want = self._ctx.RawArray("q", [-1] * options.num_workers)
+        # Each worker writes its pid here first thing (``_worker_main``).
+        self._started = self._ctx.RawArray("q", [0] * options.num_workers)
         self._workers: list[_Worker] = []
         self._closed = False
         self.restarts = 0
@@ -343,9 +357,11 @@ class WorkerPool:
         ]
         proc = self._ctx.Process(
             target=_worker_main, name=f"shardio-worker-{w.index}", daemon=True,
-            args=(self.job, w.ring, ctl_recv, data_send, self._gen, self._want, w.index,
-                  self.options.cpus, os.getpid(), self.options.poll_interval, main_ends),
+            args=(self.job, w.ring, ctl_recv, data_send, self._gen, self._want, self._started,
+                  w.index, self.options.cpus, os.getpid(), self.options.poll_interval, main_ends),
         )
+        self._started[w.index] = 0
+        w.spawned = time.monotonic()
         try:
             proc.start()
         except BaseException:
@@ -449,6 +465,11 @@ class WorkerPool:
                 if got is None:
                     if w.proc.exitcode is not None:
                         self._restart(w, generation, spec, todo)
+                    elif self._stuck_starting(w):
+                        self._restart(w, generation, spec, todo, reason=(
+                            f"was still inside fork {self.options.start_timeout:g} s after it "
+                            "(a lock another thread held at the fork; see shardio.pool, "
+                            "'Stuck start')"))
                     continue
                 ring, msg = got
                 kind, step, _times, gen = read_header(msg.view)
@@ -472,22 +493,29 @@ class WorkerPool:
         finally:
             self._want[w.index] = -1
 
-    def _restart(self, w: _Worker, generation: int, spec: Any, todo: list[int]) -> None:
+    def _stuck_starting(self, w: _Worker) -> bool:
+        """``w`` has not reached its own code ``start_timeout`` seconds after its fork."""
+        return (self._started[w.index] != w.proc.pid
+                and time.monotonic() - w.spawned > self.options.start_timeout)
+
+    def _restart(self, w: _Worker, generation: int, spec: Any, todo: list[int],
+                 reason: str | None = None) -> None:
         code = w.proc.exitcode
         if code is None:  # alive but unreachable: make sure it is gone before replacing it
             w.proc.kill()
             w.proc.join(1.0)
             code = w.proc.exitcode
+        what = reason or f"died ({_describe_exit(code)})"
         w.restarts += 1
         self.restarts += 1
         if w.restarts > self.options.max_restarts:
             raise WorkerCrashedError(
-                f"worker {w.index} died ({_describe_exit(code)}) {w.restarts} times; giving up "
-                f"after max_restarts={self.options.max_restarts}: look for out-of-memory kills "
+                f"worker {w.index} {what}, {w.restarts} times; giving up after "
+                f"max_restarts={self.options.max_restarts}: look for out-of-memory kills "
                 "(dmesg) or crashes in native decode/transform code"
             )
-        log.warning("worker %d died (%s); restarting it and redoing its unfinished batches",
-                    w.index, _describe_exit(code))
+        log.warning("worker %d %s; restarting it and redoing its unfinished batches",
+                    w.index, what)
         # Whatever it committed (ring) or sent whole (pipe) is still valid: keep it, redo the rest.
         wanted = set(todo)
         while True:

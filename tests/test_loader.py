@@ -618,6 +618,85 @@ def key_batches_of(loader: ShardLoader) -> list[list[str]]:
     return [list(b["__key__"]) for b in loader]
 
 
+def test_worker_stuck_inside_fork_is_replaced(text: Path, make_loader: Callable[..., ShardLoader],
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    """A worker that never reaches its own code (on CPython < 3.12 a forked child can stop for
+    good on an interpreter lock another thread held at the fork, python/cpython#112275) is
+    killed and replaced ``start_timeout`` after its fork; the epoch stays exactly once."""
+    import shardio.pool
+
+    real = shardio.pool._worker_main
+    marker = tmp_path / "stuck"
+
+    def first_one_stuck(*args: Any) -> None:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            real(*args)
+            return
+        time.sleep(600)  # never reaches _worker_main, like a child stuck in PyOS_AfterFork_Child
+
+    monkeypatch.setattr(shardio.pool, "_worker_main", first_one_stuck)
+    before = {p.pid for p in live_children()}
+    loader = make_loader(ShardDataset(text, seed=21), 4, start_timeout=1.0, **FAST)
+    t0 = time.monotonic()
+    got = key_batches_of(loader)
+    assert got == expected_rank_batches(epoch_keys(text, seed=21), 0, 1, 0, 4, "pad")
+    assert loader.stats()["restarts"] == 1
+    assert 1.0 <= time.monotonic() - t0 < 30
+    assert marker.exists()
+    assert len(new_workers(before)) == 2  # the stuck one is gone, its replacement runs
+
+
+def test_slow_worker_is_not_taken_for_stuck(text: Path,
+                                            make_loader: Callable[..., ShardLoader]) -> None:
+    """start_timeout concerns the fork only: batches slower than it restart nothing."""
+    loader = make_loader(ShardDataset(text, seed=3, transform=very_slow_transform), 4,
+                         start_timeout=0.2, **FAST)
+    t0 = time.monotonic()
+    assert flat(key_batches_of(loader)) == epoch_keys(text, seed=3)
+    assert time.monotonic() - t0 > 0.6  # 61 samples x 30 ms over 2 workers
+    assert loader.stats()["restarts"] == 0
+    for bad in (0, -1.0):
+        with pytest.raises(UsageError, match="start_timeout"):
+            LoaderOptions(start_timeout=bad)
+
+
+def test_ring_sizing_child_stuck_inside_fork_is_replaced(
+        text: Path, make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import shardio.loader
+
+    reference = make_loader(ShardDataset(text, seed=5), 4)
+    expected = key_batches_of(reference)
+    forks: list[int] = []
+
+    class FirstForkStuck:
+        """``os`` for shardio.loader, whose first fork's child never comes out of ``fork``."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+        def fork(self) -> int:
+            pid = os.fork()
+            if pid == 0 and not forks:
+                time.sleep(600)
+                os._exit(0)
+            if pid:
+                forks.append(pid)
+            return pid
+
+    monkeypatch.setattr(shardio.loader, "os", FirstForkStuck())
+    loader = make_loader(ShardDataset(text, seed=5), 4, start_timeout=1.0, **FAST)
+    with caplog.at_level(logging.WARNING, logger="shardio.loader"):
+        assert key_batches_of(loader) == expected
+    assert len(forks) == 2, "the stuck sizing child was not replaced"
+    assert loader.ring_bytes == reference.ring_bytes  # sized from a batch, not the fallback
+    assert any("still inside fork" in r.getMessage() for r in caplog.records)
+    assert wait_gone(forks, 5.0) == []
+
+
 def test_worker_that_keeps_dying_is_a_typed_error(text: Path,
                                                   make_loader: Callable[..., ShardLoader]) -> None:
     before = {p.pid for p in live_children()}
