@@ -509,10 +509,12 @@ class WorkerPool:
         w.restarts += 1
         self.restarts += 1
         if w.restarts > self.options.max_restarts:
+            hint = ("use Python 3.12 or later, or a larger start_timeout if workers start "
+                    "slowly here" if reason else "look for out-of-memory kills (dmesg) or crashes "
+                    "in native decode/transform code")
             raise WorkerCrashedError(
                 f"worker {w.index} {what}, {w.restarts} times; giving up after "
-                f"max_restarts={self.options.max_restarts}: look for out-of-memory kills "
-                "(dmesg) or crashes in native decode/transform code"
+                f"max_restarts={self.options.max_restarts}: {hint}"
             )
         log.warning("worker %d %s; restarting it and redoing its unfinished batches",
                     w.index, what)

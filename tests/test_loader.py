@@ -649,6 +649,24 @@ def test_worker_stuck_inside_fork_is_replaced(text: Path, make_loader: Callable[
     assert len(new_workers(before)) == 2  # the stuck one is gone, its replacement runs
 
 
+def test_workers_that_keep_sticking_in_fork_are_a_typed_error(
+        text: Path, make_loader: Callable[..., ShardLoader],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardio.pool
+
+    def always_stuck(*args: Any) -> None:
+        time.sleep(600)
+
+    monkeypatch.setattr(shardio.pool, "_worker_main", always_stuck)
+    before = {p.pid for p in live_children()}
+    loader = make_loader(ShardDataset(text), 4, start_timeout=0.3, max_restarts=1, **FAST)
+    with pytest.raises(WorkerCrashedError) as info:
+        next(iter(loader))
+    assert "still inside fork" in str(info.value) and "Python 3.12" in str(info.value)
+    loader.close()
+    assert wait_gone(new_workers(before), 5.0) == [], "a stuck worker survived the pool"
+
+
 def test_slow_worker_is_not_taken_for_stuck(text: Path,
                                             make_loader: Callable[..., ShardLoader]) -> None:
     """start_timeout concerns the fork only: batches slower than it restart nothing."""
