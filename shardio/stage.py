@@ -97,6 +97,12 @@ __all__ = ["COUNTERS", "DEFAULT_FALLBACKS", "GAUGES", "NodeCache", "ShardState",
 
 log = logging.getLogger("shardio.stage")
 
+# Seconds a forked stager may take to write its pid into the lock file.  One that has not is
+# stuck inside fork (CPython before 3.12, python/cpython#112275: another thread of the training
+# process held an interpreter lock at the fork); it would hold the node's lock and stage
+# nothing, so the next start() replaces it.
+START_TIMEOUT = 30.0
+
 _BLOCK = 4 << 20  # copy block
 
 
@@ -590,6 +596,7 @@ class Stager:
         self._pid: int | None = None
         self._owner = 0
         self._status: int | None = None
+        self._forked = 0.0  # time.monotonic() of the last fork
         self._verified: dict[int, int] = {}
 
     @property
@@ -629,7 +636,11 @@ class Stager:
         Call it from a process that lives as long as the training, in its main thread.
         """
         if self.pid is not None and self.join(0) is None:
-            return True
+            if not self._stuck_in_fork():
+                return True
+            log.warning("stager process %d was still inside fork %g s after it (see "
+                        "shardio.stage.START_TIMEOUT); replacing it", self.pid, START_TIMEOUT)
+            self.stop(timeout=0.0)
         self._pid = None
         fd = self._try_lock()
         if fd is None:
@@ -644,7 +655,13 @@ class Stager:
             self._child(fd, parent, _Epochs(None, int(epoch), last_epoch))
         os.close(fd)  # the child's descriptor keeps the lock
         self._pid, self._owner, self._status = pid, parent, None
+        self._forked = time.monotonic()
         return True
+
+    def _stuck_in_fork(self) -> bool:
+        """The stager this object forked has not written its pid ``START_TIMEOUT`` after it."""
+        return (self.holder() != self._pid
+                and time.monotonic() - self._forked > START_TIMEOUT)
 
     def _child(self, fd: int, parent: int, epochs: _Epochs) -> None:  # pragma: no cover
         code = 1

@@ -509,6 +509,47 @@ def test_killed_stager_releases_the_lock_and_another_takes_over(
     assert taker.join(0) == 0 and cache.status()["pid"] == 0
 
 
+def test_stager_stuck_inside_fork_is_replaced_at_the_next_start(
+        dataset: Path, tmp_path: Path, stagers: list[Stager], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A stager that never reaches its own code (CPython < 3.12 can leave a forked child stuck
+    on an interpreter lock, python/cpython#112275) holds the node's lock and stages nothing;
+    the next start() after START_TIMEOUT kills it and forks one that works."""
+    import shardio.stage
+
+    real = Stager._child
+    marker = tmp_path / "stuck"
+
+    def first_one_stuck(self: Stager, *args: Any) -> None:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            real(self, *args)
+        time.sleep(600)  # never writes its pid, like a child stuck in PyOS_AfterFork_Child
+        os._exit(0)
+
+    monkeypatch.setattr(Stager, "_child", first_one_stuck)
+    monkeypatch.setattr(shardio.stage, "START_TIMEOUT", 0.5)
+    m = load(dataset)
+    cache = NodeCache(tmp_path, dataset, m)
+    st = Stager(cache, schedule(m), StageOptions(**FAST))
+    stagers.append(st)
+    assert st.start(0)
+    stuck = st.pid
+    assert st.start(0) and st.pid == stuck  # within START_TIMEOUT: left alone
+    time.sleep(0.7)
+    assert cache.counters()["shards_staged"] == 0
+    with caplog.at_level(logging.WARNING, logger="shardio.stage"):
+        assert st.start(0)
+    assert st.pid not in (None, stuck)
+    assert any("still inside fork" in r.getMessage() for r in caplog.records)
+    wait_until(lambda: cache.counters()["shards_staged"] == len(m.shards), "the new stager",
+               cache)
+    assert cache.status()["pid"] == st.pid
+    with pytest.raises(ProcessLookupError):
+        os.kill(stuck, 0)  # killed and reaped
+
+
 def test_corrupt_copy_is_caught_on_reuse_and_discard_restages(
         dataset: Path, tmp_path: Path, stagers: list[Stager]) -> None:
     m = load(dataset)
