@@ -9,7 +9,11 @@ real ``DataLoader`` (with real worker processes, started by a forkserver: see
 ``WORKERS_CONTEXT``) over a fresh ``ShardDataset``::
 
     {"name": str, "data": dataset dir, "batch_size": B, "workers": W, "remainder": "pad"|"drop",
-     "seed": int, "epoch": int, "max_batches": int|null, "state_in": path|null}
+     "seed": int, "epoch": int, "max_batches": int|null, "state_in": path|null,
+     "loader": "dataloader" (default) | "shardloader"}
+
+With ``"loader": "shardloader"`` the run uses ``shardio.ShardLoader`` (its own workers, forked
+from this process) instead of torch's ``DataLoader``.
 
 After every batch the rank does an ``all_reduce`` (like a DDP gradient sync), so a rank with more
 batches than another would block; the process group has a short timeout so that shows up as an
@@ -29,6 +33,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -69,18 +74,27 @@ def run_one(spec: dict, rank: int, world: int) -> dict:
         ds.load_state_dict(json.loads(Path(spec["state_in"]).read_text()))
     ds.set_epoch(spec.get("epoch", ds.epoch))
     topo = ds.topology
-    dl = DataLoader(ds, batch_size=spec["batch_size"], num_workers=spec["workers"],
-                    collate_fn=collate_keys, multiprocessing_context=WORKERS_CONTEXT,
-                    worker_init_fn=dump_on_usr1)
+    dl: Any
+    if spec.get("loader", "dataloader") == "shardloader":
+        dl = shardio.ShardLoader(ds, spec["batch_size"], num_workers=spec["workers"],
+                                 collate_fn=collate_keys)
+    else:
+        dl = DataLoader(ds, batch_size=spec["batch_size"], num_workers=spec["workers"],
+                        collate_fn=collate_keys, multiprocessing_context=WORKERS_CONTEXT,
+                        worker_init_fn=dump_on_usr1)
     out: dict = {"len": len(ds), "dl_len": len(dl), "topology": [topo.rank, topo.world_size],
-                 "batches": []}
+                 "loader": type(dl).__name__, "batches": []}
     limit = spec.get("max_batches")
-    for batch in dl:
-        out["batches"].append(batch)
-        sync = torch.tensor([len(batch)], dtype=torch.int64)
-        dist.all_reduce(sync)  # what DDP does every step: blocks if another rank stopped early
-        if limit is not None and len(out["batches"]) >= limit:
-            break
+    try:
+        for batch in dl:
+            out["batches"].append(list(batch))
+            sync = torch.tensor([len(batch)], dtype=torch.int64)
+            dist.all_reduce(sync)  # what DDP does every step: blocks if a rank stopped early
+            if limit is not None and len(out["batches"]) >= limit:
+                break
+    finally:
+        if isinstance(dl, shardio.ShardLoader):
+            dl.close()
     n = torch.tensor([len(out["batches"])], dtype=torch.int64)
     lo, hi = n.clone(), n.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)

@@ -280,10 +280,15 @@ def gloo_world3(tiny: Path, few: Path, gloo_world4: list[dict[str, Any]],
 @pytest.fixture(scope="module")
 def gloo_world3_again(tiny: Path, gloo_world3: list[dict[str, Any]],
                       tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """A second, independent world-3 job: the same epoch with 2 and with 3 workers."""
+    """A second, independent world-3 job: the same epoch with 2 and with 3 workers, and under
+    ShardLoader (with pad and drop)."""
     runs = [
         dict(name="pad", data=str(tiny), batch_size=8, workers=2, seed=SEED, epoch=EPOCH),
         dict(name="pad_w3", data=str(tiny), batch_size=8, workers=3, seed=SEED, epoch=EPOCH),
+        dict(name="sl_pad", data=str(tiny), batch_size=8, workers=2, seed=SEED, epoch=EPOCH,
+             loader="shardloader"),
+        dict(name="sl_drop", data=str(tiny), batch_size=8, workers=3, seed=SEED, epoch=EPOCH,
+             remainder="drop", loader="shardloader"),
     ]
     return launch(3, runs, tmp_path_factory.mktemp("gloo3b"))
 
@@ -343,6 +348,21 @@ def test_gloo_order_is_deterministic_and_independent_of_workers(
         assert again[rank]["batches"] == first[rank]["batches"]
         assert w3[rank]["batches"] == first[rank]["batches"]
     check_equal_shares(w3)
+
+
+@pytest.mark.parametrize("remainder", ["pad", "drop"])
+def test_gloo_shardloader_delivers_the_dataloader_partition(
+        remainder: str, gloo_world3: list[dict[str, Any]],
+        gloo_world3_again: list[dict[str, Any]]) -> None:
+    """ShardLoader in a real 3-rank job (its workers forked from a process that runs gloo's
+    threads) yields on every rank exactly DataLoader's batches, as many on every rank."""
+    dataloader = runs_of(gloo_world3, remainder)
+    shardloader = runs_of(gloo_world3_again, f"sl_{remainder}")
+    assert {r["loader"] for r in shardloader} == {"ShardLoader"}
+    assert {r["loader"] for r in dataloader} == {"DataLoader"}
+    check_equal_shares(shardloader)
+    for rank in range(3):
+        assert shardloader[rank]["batches"] == dataloader[rank]["batches"]
 
 
 def test_gloo_resume_world4_to_world3(tiny: Path, gloo_world4: list[dict[str, Any]],
