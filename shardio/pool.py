@@ -42,13 +42,14 @@ Failure handling
     ends of every pipe, so that closing the pool (main's ends) unblocks a worker stuck on one.
 
 Stuck start
-    On CPython before 3.12, a process forked while another of the parent's threads held the
-    runtime's thread-state lock stops for good inside ``fork``, before any of its own code runs
-    (python/cpython#112275).  A training process's C++ threads (gloo, NCCL, autograd) take that
-    lock when they enter Python, so now and then a forked worker would hang the loader.  Each
-    worker writes its pid into the shared array ``started`` first thing; one that main waits on
-    and has not done so ``start_timeout`` seconds after its fork is killed and restarted like a
-    dead worker (and counted in ``restarts``).
+    On CPython without the fix for python/cpython#112275 (before 3.12 and 3.11.10), a
+    process forked while another of the parent's threads held the runtime's thread-state lock
+    stops for good inside ``fork``, before any of its own code runs.  A training process's C++
+    threads (gloo, NCCL, autograd) take that lock when they enter Python, so now and then a
+    forked worker would hang the loader.  Each worker writes its pid into the shared array
+    ``started`` first thing; one that main waits on and has not done so ``start_timeout``
+    seconds after its fork is killed and restarted like a dead worker (and counted in
+    ``restarts``).
 
 Worker states: STARTING → IDLE ⇄ PRODUCING → STOPPED | DEAD (→ restarted as a new STARTING).
 """
@@ -509,8 +510,8 @@ class WorkerPool:
         w.restarts += 1
         self.restarts += 1
         if w.restarts > self.options.max_restarts:
-            hint = ("use Python 3.12 or later, or a larger start_timeout if workers start "
-                    "slowly here" if reason else "look for out-of-memory kills (dmesg) or crashes "
+            hint = ("use a CPython with the fix for python/cpython#112275 (3.12+, 3.11.10+), "
+                    "or a larger start_timeout if workers start slowly here" if reason else "look for out-of-memory kills (dmesg) or crashes "
                     "in native decode/transform code")
             raise WorkerCrashedError(
                 f"worker {w.index} {what}, {w.restarts} times; giving up after "

@@ -47,7 +47,7 @@ import shardio  # noqa: E402
 
 
 # The DataLoader workers are forked by a forkserver, not by this process.  On CPython before
-# 3.12, forking a process whose gloo threads create or delete Python thread states can leave the
+# 3.12 (or 3.11.10), forking a process whose gloo threads create or delete Python thread states can leave the
 # child stuck in PyOS_AfterFork_Child on the runtime lock one of them held at that moment
 # (python/cpython#112275): it happened once in CI, and once in ~2,500 runs here, where gdb
 # showed both workers of a run in _PyThreadState_DeleteExcept.  A forkserver is

@@ -621,7 +621,7 @@ def key_batches_of(loader: ShardLoader) -> list[list[str]]:
 def test_worker_stuck_inside_fork_is_replaced(text: Path, make_loader: Callable[..., ShardLoader],
                                              monkeypatch: pytest.MonkeyPatch,
                                              tmp_path: Path) -> None:
-    """A worker that never reaches its own code (on CPython < 3.12 a forked child can stop for
+    """A worker that never reaches its own code (on CPython < 3.11.10 a forked child can stop for
     good on an interpreter lock another thread held at the fork, python/cpython#112275) is
     killed and replaced ``start_timeout`` after its fork; the epoch stays exactly once."""
     import shardio.pool
@@ -662,7 +662,7 @@ def test_workers_that_keep_sticking_in_fork_are_a_typed_error(
     loader = make_loader(ShardDataset(text), 4, start_timeout=0.3, max_restarts=1, **FAST)
     with pytest.raises(WorkerCrashedError) as info:
         next(iter(loader))
-    assert "still inside fork" in str(info.value) and "Python 3.12" in str(info.value)
+    assert "still inside fork" in str(info.value) and "112275" in str(info.value)
     loader.close()
     assert wait_gone(new_workers(before), 5.0) == [], "a stuck worker survived the pool"
 

@@ -512,7 +512,7 @@ def test_killed_stager_releases_the_lock_and_another_takes_over(
 def test_stager_stuck_inside_fork_is_replaced_at_the_next_start(
         dataset: Path, tmp_path: Path, stagers: list[Stager], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    """A stager that never reaches its own code (CPython < 3.12 can leave a forked child stuck
+    """A stager that never reaches its own code (CPython < 3.11.10 can leave a forked child stuck
     on an interpreter lock, python/cpython#112275) holds the node's lock and stages nothing;
     the next start() after START_TIMEOUT kills it and forks one that works."""
     import shardio.stage
