@@ -98,9 +98,9 @@ __all__ = ["COUNTERS", "DEFAULT_FALLBACKS", "GAUGES", "NodeCache", "ShardState",
 log = logging.getLogger("shardio.stage")
 
 # Seconds a forked stager may take to write its pid into the lock file.  One that has not is
-# stuck inside fork (CPython before 3.12 or 3.11.10, python/cpython#112275: another thread of the training
-# process held an interpreter lock at the fork); it would hold the node's lock and stage
-# nothing, so the next start() replaces it.
+# stuck inside fork (CPython before 3.12 or 3.11.10, python/cpython#112275: another thread of
+# the training process held an interpreter lock at the fork); it would hold the node's lock
+# and stage nothing, so the next start() replaces it.
 START_TIMEOUT = 30.0
 
 _BLOCK = 4 << 20  # copy block
