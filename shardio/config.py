@@ -318,9 +318,10 @@ class LoaderOptions:
             it sends the batch main is waiting for through its overflow pipe instead.
         max_restarts: worker deaths tolerated per worker before WorkerCrashedError.
         start_timeout: seconds a freshly forked worker (or the ring-sizing child) may take to
-            reach its own code; one that has not is stuck inside ``fork`` (CPython before 3.12 or
-            3.11.10, python/cpython#112275: another thread of the training process held an interpreter
-            lock at the fork) and is killed and started again, counted as a restart.
+            reach its own code; one that has not is stuck inside ``fork`` (CPython before 3.12
+            or 3.11.10, python/cpython#112275: another thread of the training process held an
+            interpreter lock at the fork) and is killed and started again, counted as a
+            restart.
         max_held_fraction: when batches the user still holds (not counting the one arriving)
             occupy more than this fraction of a ring, new batches are copied out of the ring
             instead (with a warning).

@@ -510,9 +510,12 @@ class WorkerPool:
         w.restarts += 1
         self.restarts += 1
         if w.restarts > self.options.max_restarts:
-            hint = ("use a CPython with the fix for python/cpython#112275 (3.12+, 3.11.10+), "
-                    "or a larger start_timeout if workers start slowly here" if reason else "look for out-of-memory kills (dmesg) or crashes "
-                    "in native decode/transform code")
+            if reason:
+                hint = ("use a CPython with the fix for python/cpython#112275 (3.12+, "
+                        "3.11.10+), or a larger start_timeout if workers start slowly here")
+            else:
+                hint = ("look for out-of-memory kills (dmesg) or crashes in native "
+                        "decode/transform code")
             raise WorkerCrashedError(
                 f"worker {w.index} {what}, {w.restarts} times; giving up after "
                 f"max_restarts={self.options.max_restarts}: {hint}"

@@ -47,11 +47,11 @@ import shardio  # noqa: E402
 
 
 # The DataLoader workers are forked by a forkserver, not by this process.  On CPython before
-# 3.12 (or 3.11.10), forking a process whose gloo threads create or delete Python thread states can leave the
-# child stuck in PyOS_AfterFork_Child on the runtime lock one of them held at that moment
-# (python/cpython#112275): it happened once in CI, and once in ~2,500 runs here, where gdb
-# showed both workers of a run in _PyThreadState_DeleteExcept.  A forkserver is
-# single-threaded; it also makes the workers unpickle the dataset, as spawn does.
+# 3.12 (or 3.11.10), forking a process whose gloo threads create or delete Python thread
+# states can leave the child stuck in PyOS_AfterFork_Child on the runtime lock one of them held
+# at that moment (python/cpython#112275): it happened once in CI, and once in ~2,500 runs
+# here, where gdb showed both workers of a run in _PyThreadState_DeleteExcept.  A forkserver
+# is single-threaded; it also makes the workers unpickle the dataset, as spawn does.
 WORKERS_CONTEXT = multiprocessing.get_context("forkserver")
 WORKERS_CONTEXT.set_forkserver_preload(["torch", "shardio"])
 
