@@ -217,6 +217,11 @@ def slow_transform(sample: dict[str, Any]) -> dict[str, Any]:
     return sample
 
 
+def tenth_of_a_second(sample: dict[str, Any]) -> dict[str, Any]:
+    time.sleep(0.1)
+    return sample
+
+
 def very_slow_transform(sample: dict[str, Any]) -> dict[str, Any]:
     time.sleep(0.03)
     return sample
@@ -669,12 +674,14 @@ def test_workers_that_keep_sticking_in_fork_are_a_typed_error(
 
 def test_slow_worker_is_not_taken_for_stuck(text: Path,
                                             make_loader: Callable[..., ShardLoader]) -> None:
-    """start_timeout concerns the fork only: batches slower than it restart nothing."""
-    loader = make_loader(ShardDataset(text, seed=3, transform=very_slow_transform), 4,
-                         start_timeout=0.2, **FAST)
+    """start_timeout concerns the fork only: a worker whose first batch takes longer than it
+    (16 samples x 0.1 s) is not restarted.  The timeout leaves a loaded machine 1 s to get a
+    forked worker to its first line."""
+    loader = make_loader(ShardDataset(text, seed=3, batch_size=16, transform=tenth_of_a_second),
+                         16, start_timeout=1.0, **FAST)
     t0 = time.monotonic()
     assert flat(key_batches_of(loader)) == epoch_keys(text, seed=3)
-    assert time.monotonic() - t0 > 0.6  # 61 samples x 30 ms over 2 workers
+    assert time.monotonic() - t0 > 2.5  # 61 samples x 0.1 s over 2 workers
     assert loader.stats()["restarts"] == 0
     for bad in (0, -1.0):
         with pytest.raises(UsageError, match="start_timeout"):
