@@ -18,6 +18,10 @@ FORMATS = ("tar", "hdf5")
 
 
 PARITY_MAX_BLOCKS = 256  # zfec's limit on K + M
+# Seconds a process forked from the training process (loader worker, ring-sizing child, node
+# stager) may take to reach its own code before it is taken for stuck inside fork and
+# replaced: the "Stuck start" section of shardio.pool says why.
+START_TIMEOUT = 30.0
 
 
 def check_km(k: int, m: int) -> None:
@@ -318,10 +322,8 @@ class LoaderOptions:
             it sends the batch main is waiting for through its overflow pipe instead.
         max_restarts: worker deaths tolerated per worker before WorkerCrashedError.
         start_timeout: seconds a freshly forked worker (or the ring-sizing child) may take to
-            reach its own code; one that has not is stuck inside ``fork`` (CPython before 3.12
-            or 3.11.10, python/cpython#112275: another thread of the training process held an
-            interpreter lock at the fork) and is killed and started again, counted as a
-            restart.
+            reach its own code; one that has not is stuck inside ``fork`` (see "Stuck start" in
+            :mod:`shardio.pool`) and is killed and started again, counted as a restart.
         max_held_fraction: when batches the user still holds (not counting the one arriving)
             occupy more than this fraction of a ring, new batches are copied out of the ring
             instead (with a warning).
@@ -336,7 +338,7 @@ class LoaderOptions:
     cpus: tuple[int, ...] | str | None = None
     poll_interval: float = 0.2
     max_restarts: int = 3
-    start_timeout: float = 30.0
+    start_timeout: float = START_TIMEOUT
     max_held_fraction: float = 0.5
     log_every: int = 0
     warn_window: int = 50

@@ -79,6 +79,7 @@ from ._tree import (
     read_header,
     write_times,
 )
+from .config import START_TIMEOUT
 from .errors import RingClosedError, RingTimeoutError, WorkerCrashedError, WorkerError
 from .ring import DEFAULT_SHM_DIR, Message, Ring, check_shm_space, sweep_stale
 
@@ -136,7 +137,7 @@ class PoolOptions:
     poll_interval: float = 0.2
     max_restarts: int = 3
     join_timeout: float = 5.0
-    start_timeout: float = 30.0
+    start_timeout: float = START_TIMEOUT
 
 
 class SpilledMessage:

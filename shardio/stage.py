@@ -63,6 +63,7 @@ from ._atomics import store_u32 as _store_u32
 from ._atomics import store_u64 as _store_u64
 from ._fsutil import TMP_MARK, fsync_dir, resolve_in, tmp_name
 from .checksum import file_digest, new_digest
+from .config import START_TIMEOUT  # a stager that has not written its pid by then
 from .errors import StagingError, UsageError
 from .nodecache import (
     _FULL,
@@ -96,12 +97,6 @@ __all__ = ["COUNTERS", "DEFAULT_FALLBACKS", "GAUGES", "NodeCache", "ShardState",
            "Stager", "belady_plan", "find_cache_dir", "simulate", "time_key"]
 
 log = logging.getLogger("shardio.stage")
-
-# Seconds a forked stager may take to write its pid into the lock file.  One that has not is
-# stuck inside fork (CPython before 3.12 or 3.11.10, python/cpython#112275: another thread of
-# the training process held an interpreter lock at the fork); it would hold the node's lock
-# and stage nothing, so the next start() replaces it.
-START_TIMEOUT = 30.0
 
 _BLOCK = 4 << 20  # copy block
 
@@ -639,7 +634,7 @@ class Stager:
             if not self._stuck_in_fork():
                 return True
             log.warning("stager process %d was still inside fork %g s after it (see "
-                        "shardio.stage.START_TIMEOUT); replacing it", self.pid, START_TIMEOUT)
+                        "shardio.config.START_TIMEOUT); replacing it", self.pid, START_TIMEOUT)
             self.stop(timeout=0.0)
         self._pid = None
         fd = self._try_lock()
@@ -659,7 +654,9 @@ class Stager:
         return True
 
     def _stuck_in_fork(self) -> bool:
-        """The stager this object forked has not written its pid ``START_TIMEOUT`` after it."""
+        """The stager this object forked has not written its pid ``START_TIMEOUT`` after it: it
+        is stuck inside fork ("Stuck start" in :mod:`shardio.pool`), holding the node's lock
+        while it stages nothing."""
         return (self.holder() != self._pid
                 and time.monotonic() - self._forked > START_TIMEOUT)
 
