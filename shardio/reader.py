@@ -141,16 +141,38 @@ class DatasetReader:
             except (*FAULTS, ParityError, MissingDependencyError) as exc:
                 self.ladder.failed(i, copy, exc)
                 continue
-            reader.arena = self.arena
-            self._readers[i] = (copy, reader)
             if copy.kind != "original":
                 self.ladder.recovered(i, copy)  # restores a bad original when allowed
-            while len(self._readers) > self.max_open_shards:
-                j, (_, old) = self._readers.popitem(last=False)
-                old.close()
-                self._indexes.pop(j, None)
-                self._advised.discard(j)
-            return copy, reader
+            return self._keep(i, copy, reader)
+
+    def _probe(self, i: int) -> ShardReader | None:
+        """Shard ``i``'s reader for a prefetch hint: opened on its first good copy when that
+        opens cleanly (no parity rebuild); otherwise ``None``, with the ladder and its fault
+        counters untouched, so that the real read meets the fault and counts it once."""
+        got = self._readers.get(i)
+        if got is not None:
+            return got[1]
+        copies = self.ladder.copies(i)
+        if not copies or copies[0].kind == "parity":
+            return None
+        copy = copies[0]
+        try:
+            reader = self._open_copy(i, copy.kind, copy.path)
+        except (*FAULTS, MissingDependencyError):
+            return None
+        if copy.kind != "original":
+            self.ladder.recovered(i, copy)
+        return self._keep(i, copy, reader)[1]
+
+    def _keep(self, i: int, copy: Copy, reader: ShardReader) -> tuple[Copy, ShardReader]:
+        reader.arena = self.arena
+        self._readers[i] = (copy, reader)
+        while len(self._readers) > self.max_open_shards:
+            j, (_, old) = self._readers.popitem(last=False)
+            old.close()
+            self._indexes.pop(j, None)
+            self._advised.discard(j)
+        return copy, reader
 
     def _open_copy(self, i: int, kind: str, path: str) -> ShardReader:
         entry = self.manifest.shards[i]
@@ -243,7 +265,9 @@ class DatasetReader:
             self._advised.add(i)
             limit -= 1
             try:
-                self.shard(i).willneed()
+                reader = self._probe(i)
+                if reader is not None:
+                    reader.willneed()
             except (*FAULTS, UnrepairableError, OSError):
                 pass  # the real read meets the fault again and handles it
 
@@ -284,16 +308,21 @@ class DatasetReader:
             while j < n - 1 and not cut[j]:
                 j += 1
             s = shard_list[k]
-            if j == k:
-                got = self._readers.get(s)
+            got = self._readers.get(s) if j == k else None
+            if got is not None:
                 try:
-                    sample = (got[1] if got is not None else self.shard(s)).get(local[k])
-                except FAULTS:
-                    yield from self._read_run(s, local[k], local[k] + 1)
+                    sample = got[1].get(local[k])
+                except FAULTS as exc:
+                    # Move down the ladder now, so the retry reads the next copy (not this one
+                    # again, which would count the same fault twice).
+                    self._fault(s, exc)
                 else:
                     yield sample
-            else:
-                yield from self._read_run(s, local[k], local[j] + 1)
+                    k = j + 1
+                    continue
+            # A run, a shard not open yet, or a retry: _read_run opens down the ladder and
+            # applies on_corrupt when no copy is left.
+            yield from self._read_run(s, local[k], local[j] + 1)
             k = j + 1
 
     def _read_run(self, s: int, first: int, stop: int) -> Iterator[dict[str, Any]]:

@@ -89,6 +89,25 @@ def test_no_good_copy_raises_or_skips(data) -> None:
     assert ds.reader.counters.get("skipped_samples") == 1
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_lost_shard_is_skipped_and_counted_once_per_sample(data, shuffle: bool) -> None:
+    """A shard gone from both copies, under on_corrupt="skip": every order skips exactly its
+    samples and counts each event once (a shuffled epoch reads single samples, whose retry
+    once raised UnrepairableError, or re-read the failed copy and counted its fault twice)."""
+    root, replica, clean = data
+    corrupt_dataset(str(root), [2], "delete")
+    corrupt_dataset(str(replica), [2], "delete")
+    lost = Manifest.load(str(root)).shards[2].samples
+    ds = shardio.ShardDataset(root, shuffle=shuffle, seed=5, replicas=[str(replica)],
+                              on_corrupt="skip")
+    got = epoch(ds)
+    assert len(got) == len(clean) - lost and set(got) <= set(clean)
+    c = ds.reader.counters.snapshot()
+    # Per lost sample: the original and the replica found missing, then given up and skipped.
+    assert (c["missing"], c["failovers"]) == (2 * lost, 2 * lost)
+    assert c["unrepairable"] == c["skipped_samples"] == lost
+
+
 def test_single_copy_keeps_the_typed_error(data) -> None:
     root, _replica, _clean = data
     corrupt_dataset(str(root), [0], "delete")
