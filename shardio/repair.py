@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import logging
 import mmap
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -149,6 +151,9 @@ class CopyLadder:
         self._bad: dict[int, set[str]] = {}
         self._attempts: dict[int, list[tuple[str, str]]] = {}
         self._last: dict[int, BaseException] = {}
+        self._rebuilt_dir: str | None = None
+        # (path, inode, size, mtime) of rebuilt copies found good in this process.
+        self._rebuilt_ok: set[tuple[str, int, int, int]] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -215,24 +220,71 @@ class CopyLadder:
         return err
 
     def rebuild(self, i: int) -> str:
-        """Rebuild shard ``i`` (and its index) from parity into the rebuilt directory."""
+        """Rebuild shard ``i`` (and its index) from parity into the rebuilt directory, or reuse
+        a copy rebuilt there earlier once its size and digest match the manifest (a copy left
+        by an earlier dataset packed to the same directory is rebuilt, never served).
+
+        Raises:
+            ParityError, MissingDependencyError: as :func:`shardio.parity.rebuild_shard`.
+            ShardIOError: the rebuilt directory cannot be written or read.
+        """
         from .parity import rebuild_shard
 
         dest = self._rebuilt_path(i)
-        if not os.path.exists(dest):
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            rebuild_shard(self.root, self.manifest, i, dest, bad=self._bad_originals())
-            self.counters.add("parity_rebuilt")
-            log.warning("shard %s rebuilt from parity into %s", self.entry(i).path, dest)
-        _ensure_index(self, i, dest)
+        try:
+            if not self._rebuilt_good(i, dest):
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                for stale in (dest, dest + ".idx"):
+                    _unlink_missing_ok(stale)
+                rebuild_shard(self.root, self.manifest, i, dest, bad=self._bad_originals())
+                self.counters.add("parity_rebuilt")
+                log.warning("shard %s rebuilt from parity into %s", self.entry(i).path, dest)
+            _ensure_index(self, i, dest)
+        except OSError as exc:
+            raise translate_oserror(exc, dest, "rebuilding shard into") from exc
         return dest
+
+    def _rebuilt_good(self, i: int, path: str) -> bool:
+        """Whether ``path`` holds shard ``i``'s bytes (hashed once per process and file)."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+        if key in self._rebuilt_ok:
+            return True
+        entry = self.entry(i)
+        if st.st_size != entry.bytes or file_digest(path, self.manifest.digest)[0] != entry.digest:
+            return False
+        self._rebuilt_ok.add(key)
+        return True
 
     def _bad_originals(self) -> list[int]:
         return [j for j, paths in self._bad.items() if self.original(j) in paths]
 
     def _rebuilt_path(self, i: int) -> str:
-        base = self.cache.dir if self.cache is not None else os.path.join(self.root, REBUILT_DIR)
-        return resolve_in(base, self.entry(i).path)
+        return resolve_in(self._rebuilt_base(), self.entry(i).path)
+
+    def _rebuilt_base(self) -> str:
+        """The node cache, else ``<dataset>/.shardio-rebuilt``, else (a read-only dataset
+        directory, as shared datasets usually are) a per-user directory under the system's
+        temp directory, named after the dataset's path."""
+        if self.cache is not None:
+            return str(self.cache.dir)
+        if self._rebuilt_dir is None:
+            base = os.path.join(self.root, REBUILT_DIR)
+            if not os.access(base if os.path.isdir(base) else self.root, os.W_OK):
+                tag = hashlib.sha256(os.path.realpath(self.root).encode()).hexdigest()[:16]
+                base = os.path.join(tempfile.gettempdir(), f"shardio-rebuilt-{os.getuid()}", tag)
+            self._rebuilt_dir = base
+        return self._rebuilt_dir
+
+
+def _unlink_missing_ok(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:

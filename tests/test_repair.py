@@ -130,6 +130,58 @@ def test_parity_rebuilds_a_lost_shard_while_reading(image_tree: Path, tmp_path: 
     assert c["parity_rebuilt"] == 2 and c["missing"] == 1 and c["checksum_mismatch"] == 1
 
 
+def _text_tree(src: Path, version: str) -> None:
+    for i in range(24):
+        d = src / f"c{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"s{i:04d}.txt").write_text(f"{version} sample {i:04d}")
+
+
+def test_parity_never_serves_a_stale_rebuilt_copy(tmp_path: Path) -> None:
+    """A copy rebuilt for an earlier dataset packed to the same directory is rebuilt again,
+    not served: before, it was reused unchecked and its own index passed every checksum."""
+    pytest.importorskip("zfec")
+    src, root = tmp_path / "src", tmp_path / "ds"
+    opts = dict(samples_per_shard=4, fsync=False, parity="2+1")
+    _text_tree(src, "OLD")
+    pack(src, root, PackOptions(**opts))
+    corrupt_dataset(str(root), [2], "delete")
+    with DatasetReader(root) as r:
+        assert len(list(r)) == 24 and r.counters.get("parity_rebuilt") == 1
+    _text_tree(src, "NEW")
+    pack(src, root, PackOptions(overwrite=True, **opts))
+    corrupt_dataset(str(root), [2], "delete")
+    for _ in range(2):  # rebuilt once, then the good copy is reused
+        with DatasetReader(root) as r:
+            texts = [s["txt"].decode() for s in r]
+        assert len(texts) == 24 and all(t.startswith("NEW") for t in texts)
+    assert r.counters.get("parity_rebuilt") == 0
+
+
+def test_parity_rebuilds_from_a_read_only_dataset(tmp_path: Path) -> None:
+    """A shared dataset directory is usually read-only: the rebuilt copy goes to a per-user
+    temp directory instead (before: a raw OSError from makedirs ended the read)."""
+    pytest.importorskip("zfec")
+    src, root, ro = tmp_path / "src", tmp_path / "ds", tmp_path / "ro"
+    _text_tree(src, "V")
+    pack(src, root, PackOptions(samples_per_shard=4, fsync=False, parity="2+1"))
+    corrupt_dataset(str(root), [2], "flip", seed=1)
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", str(root), str(ro)], capture_output=True).returncode:
+        pytest.skip("needs bind mounts (root in a privileged container)")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        with DatasetReader(ro) as r:
+            texts = [s["txt"].decode() for s in r]
+            base = r.ladder._rebuilt_base()
+        assert len(texts) == 24 and r.counters.get("parity_rebuilt") == 1
+        assert not base.startswith(str(ro)) and os.path.isfile(
+            os.path.join(base, Manifest.load(str(root)).shards[2].path))
+        shutil.rmtree(base)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
 def test_loader_workers_repair_and_count(data) -> None:
     root, replica, clean = data
     corrupt_dataset(str(root), [0, 4], "flip", seed=7)
