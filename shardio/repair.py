@@ -20,23 +20,25 @@ missing file, an unreadable index or an I/O error (EIO).  What happens to the ba
 
 Only when every copy fails does ``on_corrupt`` decide: ``"raise"`` (:class:`UnrepairableError`)
 or ``"skip"`` (the sample is dropped and counted).  Every event is counted in
-:class:`RepairCounters`, which live in shared memory inherited by forked workers, logged on the
-``shardio.repair`` logger, and reported by ``stats()``.
+:class:`RepairCounters`, which live in shared memory that every worker process adds to (forked,
+spawned or forkserver), logged on the ``shardio.repair`` logger, and reported by ``stats()``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import functools
 import hashlib
 import logging
-import mmap
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from multiprocessing.context import get_spawning_popen
+from multiprocessing.sharedctypes import RawArray
 from typing import Any
 
 from ._atomics import fetch_add_u64, load_u64
@@ -91,11 +93,14 @@ def fault_kind(exc: BaseException) -> str:
 
 
 class RepairCounters:
-    """Event and I/O counters in an anonymous shared mapping: forked workers add to the same
-    numbers, atomically (u64 fetch-and-add), so the parent's ``stats()`` sees every event."""
+    """Event and I/O counters in shared memory: workers add to the same numbers, atomically
+    (u64 fetch-and-add), so the parent's ``stats()`` sees every event.  Forked workers inherit
+    the mapping; spawned and forkserver workers (DataLoader's ``multiprocessing_context``) get
+    it with the dataset, as a ``multiprocessing`` shared array."""
 
-    def __init__(self) -> None:
-        self._buf = mmap.mmap(-1, 8 * len(COUNTERS))
+    def __init__(self, shared: Any = None) -> None:
+        self._arr = shared if shared is not None else RawArray(ctypes.c_uint64, len(COUNTERS))
+        self._buf = memoryview(self._arr).cast("B")
         self._slot = {name: 8 * k for k, name in enumerate(COUNTERS)}
 
     def add(self, name: str, n: int = 1) -> None:
@@ -112,11 +117,12 @@ class RepairCounters:
         return {name: self.get(name) for name in COUNTERS}
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickled into a spawned process: the mapping cannot travel; that process counts alone.
-        return {}
+        if get_spawning_popen() is not None:  # handed to a new process: the array travels
+            return {"shared": self._arr}
+        return {}  # plain pickling: a mapping cannot travel; the copy counts alone
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
+        self.__init__(state.get("shared"))  # type: ignore[misc]
 
 
 @dataclass(frozen=True)

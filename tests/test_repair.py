@@ -196,6 +196,21 @@ def test_loader_workers_repair_and_count(data) -> None:
     assert stats["repair"]["bytes_original"] > 0
 
 
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_dataloader_workers_count_in_the_parent(data, context: str) -> None:
+    """Events handled in DataLoader workers reach the parent's io_stats() whatever the start
+    method (forkserver, advised for multi-rank jobs, once left the parent at zero)."""
+    from torch.utils.data import DataLoader
+
+    root, replica, _clean = data
+    corrupt_dataset(str(root), [0, 4], "flip", seed=7)
+    ds = shardio.ShardDataset(root, seed=1, replicas=[str(replica)])
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+    assert len(list(loader)) == len(ds)
+    c = ds.io_stats()["repair"]
+    assert c["checksum_mismatch"] == 2 and c["failovers"] == 2 and c["bytes_replica"] > 0
+
+
 def test_eio_injected_with_strace_fails_over(data, tmp_path: Path) -> None:
     """A real EIO from the kernel's point of view of the process: strace makes the first
     ``pread64`` fail; the reader moves to the replica and still delivers every sample."""
