@@ -37,7 +37,7 @@ def _detect_topology() -> Topology:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return Topology(rank=dist.get_rank(), world_size=dist.get_world_size())
+        return Topology.for_group(dist.get_rank(), dist.get_world_size())
     return Topology.from_env()
 
 

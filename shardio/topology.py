@@ -58,14 +58,30 @@ class Topology:
             if r in env and w in env:
                 rank, world = int(env[r]), int(env[w])
                 break
-        local, local_world = 0, 1
-        for r, w in _LOCAL_VARS:
-            if r in env and w in env:
-                local, local_world = int(env[r]), int(env[w].split("(")[0].split(",")[0])
-                break
-        else:
-            local, local_world = rank, world
+        local, local_world = local_from_env(env) or (rank, world)
         return cls(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
+
+    @classmethod
+    def for_group(cls, rank: int, world_size: int,
+                  env: Mapping[str, str] | None = None) -> Topology:
+        """The rank and world size of a process group (``torch.distributed``, which knows no
+        nodes) with the local rank and size from the launcher's variables when they fit that
+        world, else one rank per node."""
+        local = local_from_env(env)
+        if local is None or world_size % local[1] or not 0 <= local[0] < local[1]:
+            local = (0, 1)
+        return cls(rank=rank, world_size=world_size, local_rank=local[0],
+                   local_world_size=local[1])
+
+
+def local_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``(local rank, ranks on this node)`` from torchrun, Slurm or Open MPI variables, or
+    ``None`` when none is set."""
+    env = os.environ if env is None else env
+    for r, w in _LOCAL_VARS:
+        if r in env and w in env:
+            return int(env[r]), int(env[w].split("(")[0].split(",")[0])
+    return None
 
 
 def numa_nodes(sysfs: str = "/sys/devices/system/node") -> dict[int, list[int]]:

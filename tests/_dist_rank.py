@@ -82,7 +82,8 @@ def run_one(spec: dict, rank: int, world: int) -> dict:
         dl = DataLoader(ds, batch_size=spec["batch_size"], num_workers=spec["workers"],
                         collate_fn=collate_keys, multiprocessing_context=WORKERS_CONTEXT,
                         worker_init_fn=dump_on_usr1)
-    out: dict = {"len": len(ds), "dl_len": len(dl), "topology": [topo.rank, topo.world_size],
+    out: dict = {"len": len(ds), "dl_len": len(dl),
+                 "topology": [topo.rank, topo.world_size, topo.local_rank, topo.local_world_size],
                  "loader": type(dl).__name__, "batches": []}
     limit = spec.get("max_batches")
     try:

@@ -201,7 +201,8 @@ def launch(world: int, runs: list[dict[str, Any]], work: Path, timeout: float = 
             # hang can be dumped and killed as a whole.
             procs.append(subprocess.Popen(
                 [sys.executable, str(RANK_SCRIPT), str(spec), str(work / f"rank{r}.json")],
-                env=dict(env, RANK=str(r)), stdout=out, stderr=err, cwd=str(ROOT),
+                env=dict(env, RANK=str(r), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world)),
+                stdout=out, stderr=err, cwd=str(ROOT),
                 start_new_session=True))
         deadline = time.monotonic() + timeout
         timed_out = False
@@ -306,7 +307,8 @@ def check_equal_shares(runs: list[dict[str, Any]]) -> None:
     nsamples = {len(flat(r["batches"])) for r in runs}
     assert len(nbatches) == 1 and len(nsamples) == 1, (nbatches, nsamples)
     for rank, r in enumerate(runs):
-        assert r["topology"] == [rank, world]  # the rank came from the process group
+        # The rank came from the process group, the node layout from torchrun's variables.
+        assert r["topology"] == [rank, world, rank, world]
         assert r["batches_min"] == r["batches_max"] == len(r["batches"])
         assert r["len"] == len(flat(r["batches"]))
         assert r["dl_len"] == len(r["batches"])
@@ -564,6 +566,16 @@ def test_topology_from_environment(tiny: Path, monkeypatch: pytest.MonkeyPatch) 
     assert len(ds) == 151
     keys = flat(load_batches(ds, 8, 2))
     assert keys == flat(expected_rank_batches(epoch_keys(tiny), 0, 2, 1, 8, "pad"))
+
+
+def test_topology_for_a_process_group() -> None:
+    """Under torch.distributed the node layout comes from the launcher's variables when they
+    fit the group's world, else one rank per node."""
+    env = {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    t = shardio.Topology.for_group(5, 8, env)
+    assert (t.rank, t.world_size, t.local_rank, t.local_world_size, t.node) == (5, 8, 1, 4, 1)
+    assert shardio.Topology.for_group(5, 8, {}) == shardio.Topology(rank=5, world_size=8)
+    assert shardio.Topology.for_group(5, 6, env) == shardio.Topology(rank=5, world_size=6)  # 4 does not divide 6
 
 
 def test_random_access_agrees_with_iteration(tiny: Path) -> None:
