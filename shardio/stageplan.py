@@ -201,22 +201,27 @@ class _Planner:
         """``("skip"|"bypass"|"reverify", k)``, ``("stage", k, victims)``, ``("trim", victims)``,
         ``("wait",)`` or ``("end",)`` for the frontier span ``lo..hi`` (``None``: no reader)."""
         floor = 0 if lo is None else lo
+        began = 0 if hi is None else bisect.bisect_right(self.start, hi)
+        # Past the accesses readers have begun first: only then do ``pend`` mark the shards being
+        # read and ``nu`` say when each is needed next (after a re-plan the cursor is at 0).
+        while self.c < min(began, len(self.shard)):
+            k = self.c
+            if self.shard[k] not in self.cached:
+                return ("skip", k)
+            self.advance(k)
         if self.used > self.budget and (victims := self._trim(floor)):
             return ("trim", victims)
-        began = 0 if hi is None else bisect.bisect_right(self.start, hi)
         while True:
             k = self.c
             if k >= len(self.shard):
                 return ("end",)
             s = self.shard[k]
             if s in self.cached:
-                if (k >= began and self.verify_reuse and self.ep[k] == self.epoch
+                if (self.verify_reuse and self.ep[k] == self.epoch
                         and self.verified.get(s, -1) < self.ep[k]):
                     return ("reverify", k)
                 self.advance(k)
                 continue
-            if k < began:
-                return ("skip", k)
             size = self.size_of(s)
             nx = self.nxt[k]
             newcomer_next = self.start[nx] if nx >= 0 else INF

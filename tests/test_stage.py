@@ -403,6 +403,35 @@ def test_budget_is_kept_and_evictions_follow_belady(dataset: Path, tmp_path: Pat
           f"{hits} cached / {misses} direct shard-steps, peak {peak} B over {samples} samples")
 
 
+def test_trim_to_a_smaller_budget_spares_shards_being_read(dataset: Path, tmp_path: Path) -> None:
+    """A stager that starts over its budget (a prolog staged everything) while a reader is in
+    mid-epoch: the trim keeps the shards being read and evicts the others farthest next use
+    first, the shards the readers have finished (not needed again) before any other."""
+    m = load(dataset)
+    sched, sizes = schedule(m), sizes_of(dataset, m)
+    cache = NodeCache(tmp_path, dataset, m)
+    Stager(cache, sched, StageOptions(**FAST)).stage([0])
+    s0, pos = sched(0), 32
+    cache.report(0, pos)
+    accesses = [(int(s), int(f), int(last)) for s, f, last in zip(s0.shards, s0.first, s0.last)]
+    in_use = {s for s, f, last in accesses if f <= pos <= last}
+    next_use = {s: (f if f > pos else math.inf) for s, f, last in accesses if s not in in_use}
+    assert in_use and math.inf in next_use.values()  # the case has shards read and finished
+    budget = sum(sizes) // 4
+    expected, over = [], sum(sizes) - budget
+    for s in sorted(next_use, key=lambda s: (-next_use[s], -sizes[s], s)):
+        if over <= 0:
+            break
+        expected.append(s)
+        over -= sizes[s]
+    Stager(NodeCache(tmp_path, dataset, m), sched,
+           StageOptions(budget=budget, journal=True, **FAST)).stage([0])
+    assert [s for _, s, _ in events(cache, ("evict",))] == expected
+    assert all(cache.lookup(s, wait=0) is not None for s in in_use)
+    assert cache.counters()["cached_bytes"] <= budget
+    cache.close()
+
+
 # --- processes of one node -------------------------------------------------------------------
 RANKS, RANK_BATCH, EPOCHS = 4, 2, 3
 
