@@ -129,7 +129,7 @@ class StageOptions:
         bandwidth: cap on the stager's reads from the shared filesystem, bytes/s (token bucket).
         lookahead: epochs beyond the current one that are planned (and staged when space allows).
         verify_reuse: re-hash a cached copy once in each later epoch that uses it, before that
-            use; ``False`` trusts a copy verified at publication (and, after a stager restart, a
+            use (except in the epoch's first steps: see :mod:`shardio.stage`); ``False`` trusts a copy verified at publication (and, after a stager restart, a
             copy of the right size).
         poll_interval: seconds between looks at the readers' progress while the stager waits.
         journal: append one JSON line per stager action to ``<dir>/.journal`` (diagnosis, tests).

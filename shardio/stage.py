@@ -13,8 +13,11 @@ on their own)
     The accesses of epochs ``[e, e + lookahead]`` (``e`` the frontier's epoch, re-planned when it
     changes) are walked in order of first use.  An access whose interval has begun (frontier max
     at or past its first step) is being read directly: it is skipped, and its shard staged for its
-    next use instead.  A cached shard is re-verified once in each later epoch that uses it, before
-    that use (``verify_reuse``).  A missing shard is admitted when it fits; otherwise
+    next use instead.  A cached shard is re-verified once in each later epoch that uses it
+    (``verify_reuse``), before that use except for accesses readers began before the stager
+    saw the new epoch: it learns of an epoch from their reports, so a shard read in the
+    epoch's first steps may be read once more before its re-hash lands (with ``verify=True``
+    every sample is checked on read anyway).  A missing shard is admitted when it fits; otherwise
     :func:`belady_plan` names the victims: cached shards needed later than the newcomer's *next*
     use (farthest first), or refuses (the newcomer would be evicted first: it is read directly,
     exactly as a bypass in Belady's MIN).  Victims still in use, or needed before the newcomer,
