@@ -442,11 +442,12 @@ class ShardLoader:
                     self._stats.restarts = pool.restarts
                     self.close()
                     raise
-                if self._preempt_pending:  # arrived while waiting: this batch is not handed out
-                    WorkerPool._discard(ring, msg)
-                    if self._preempt_stop():
+                if self._preempt_pending:  # arrived while waiting: save before this batch
+                    if self._preempt[2]:  # stop: not handed out (the resume redoes it)
+                        WorkerPool._discard(ring, msg)
+                        self._preempt_stop()
                         return
-                    continue
+                    self._save_preempted()  # and go on: the batch is handed out as usual
                 stages = read_header(msg.view)[2]
                 batch = self._materialize(ring, msg)
                 del msg
