@@ -32,7 +32,7 @@ from .config import LoaderOptions
 from .dataset import ShardDataset
 from .errors import UsageError, WorkerCrashedError
 from .order import RankPlan
-from .pool import PoolOptions, WorkerPool
+from .pool import PoolOptions, WorkerPool, _set_pdeathsig
 from .stats import LoaderStats
 from .topology import discover_cpus
 
@@ -268,11 +268,17 @@ class ShardLoader:
         spec = {"epoch": ds.epoch, "cursor": ds._cursor, "world_size": topo.world_size,
                 "rank": topo.rank, "batch_size": k, "stride": 1}
         r, w = os.pipe()
+        me = os.getpid()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             code = 0
             try:
                 os.write(w, b"S")  # out of fork
+                # Like a worker, it runs the user's code: it must not outlive this process
+                # (this thread waits for it, so the signal cannot come from a thread's exit).
+                _set_pdeathsig()
+                if os.getppid() != me:
+                    os._exit(1)
                 os.close(r)
                 job = _Job(ds, self.collate_fn)
                 job.report = False  # a sample batch, not a reader the stager should wait for

@@ -806,6 +806,49 @@ def test_sigkill_of_the_training_process_leaves_nothing(text: Path, tmp_path: Pa
                 stream.close()
 
 
+SIZING_SCRIPT = """
+import faulthandler, sys, time
+faulthandler.dump_traceback_later(50, exit=True)
+sys.path.insert(0, {root!r})
+import shardio
+
+def slow_first(sample):
+    time.sleep(30)  # slow on its first call (a model download, a cold NFS, ...)
+    return sample
+
+ds = shardio.ShardDataset({data!r}, transform=slow_first)
+for batch in shardio.ShardLoader(ds, batch_size=4, num_workers=2):  # ring_bytes="auto"
+    pass
+"""
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_while_sizing_the_rings_leaves_no_process(text: Path, tmp_path: Path) -> None:
+    """The ring-sizing child runs the user's transform; it dies with the training process
+    (it once lived on for as long as the transform took)."""
+    script = tmp_path / "size.py"
+    script.write_text(textwrap.dedent(SIZING_SCRIPT.format(root=str(ROOT), data=str(text))))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=str(tmp_path))
+    kids: list[psutil.Process] = []
+    try:
+        main = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 30
+        while not (kids := main.children()):
+            assert time.monotonic() < deadline and proc.poll() is None, "no sizing child"
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside the transform
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert wait_gone([k.pid for k in kids], 5.0) == [], "the sizing child outlived main"
+    finally:
+        for p in [proc, *kids]:
+            try:
+                p.kill()
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        proc.wait()
+
+
 # --- 5. checkpoints --------------------------------------------------------------------------
 @pytest.mark.parametrize(("k", "workers", "batch"), [(0, 3, 5), (3, 1, 5), (7, 3, 3), (15, 2, 4)])
 def test_state_dict_resumes_exactly_the_rest(text: Path, make_loader: Callable[..., ShardLoader],
