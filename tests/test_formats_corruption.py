@@ -395,7 +395,10 @@ class TestHdf5Corruption(CorruptionTests):
         rc, lines = run_verify(cli, ds)
         assert rc == 1
         assert lines[0].startswith(f"{rel}: shard digest mismatch")
-        assert lines[1].startswith(f"{rel}: checksum mismatch key='part")
+        # The index checks itself (index_digest), as a tar shard's .idx does.
+        assert lines[1].startswith(f"{rel}: unreadable index:")
+        assert "index_digest mismatch" in lines[1]
+        assert len(lines) == 2
         with shardio.open_dataset(ds) as reader:
-            with pytest.raises(ChecksumMismatchError):
+            with pytest.raises(IndexCorruptError, match=rel):
                 reader[28]

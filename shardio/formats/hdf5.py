@@ -3,7 +3,8 @@
 Layout (format version 1)::
 
     /                  attrs: shardio_format="shardio-hdf5", shardio_version=1,
-                              checksum=<sample checksum name>, field_names=[...]
+                              checksum=<sample checksum name>, field_names=[...],
+                              shardio_meta=<JSON>, index_digest=<xxh3_64 hex>
     /payload           uint8[total]  contiguous: every stored field, concatenated in sample order
     /index/key_blob    uint8         UTF-8 keys, concatenated
     /index/key_offsets uint64[n+1]   key i = key_blob[key_offsets[i]:key_offsets[i+1]]
@@ -15,32 +16,44 @@ Layout (format version 1)::
 Because ``/payload`` is contiguous, shardio reads fields with ``pread`` at the payload's file
 offset and uses h5py only to load the index, so readers hold no HDF5 handle across ``fork``.
 h5py is imported only here.
+
+The per-field checksums cover stored bytes only, so the index checks itself, as a tar shard's
+``.idx`` does: ``index_digest`` is an xxh3_64 over everything a reader takes from the index
+(checksum name, ``json.dumps(field_names)``, meta, ``key_blob`` and every ``/index`` array as
+stored, in the index model's little-endian dtypes, each part prefixed by its u64 byte length),
+and on load the index must also hold together (offsets monotonic and inside ``/payload``, names
+and flags known, raw lengths that fit the flags, keys valid UTF-8).  A shard written before
+``index_digest`` existed gets the structural checks only.  Either failure raises
+:class:`IndexCorruptError`, so the reader fails over to another copy instead of delivering a
+wrong key or field.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+import struct
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .._fsutil import tmp_name, translate_oserror
 from ..checksum import file_digest, new_digest, sample_checksum_fn
-from ..codec import Codec
+from ..codec import FLAG_ZSTD, Codec
 from ..errors import (
     IndexCorruptError,
     ManifestVersionError,
     MissingDependencyError,
     ShardNotFoundError,
 )
-from .base import IndexBuilder, ShardIndex, ShardWriter, WrittenShard
+from .base import _ARRAYS, IndexBuilder, ShardIndex, ShardWriter, WrittenShard
 
 __all__ = ["Hdf5Writer", "load_hdf5_index"]
 
 FORMAT_NAME = "shardio-hdf5"
 FORMAT_VERSION = 1
+INDEX_DIGEST = "xxh3_64"  # algorithm of the ``index_digest`` attribute
 
 
 def _h5py() -> Any:
@@ -127,7 +140,11 @@ class Hdf5Writer(ShardWriter):
                 f.attrs["shardio_version"] = FORMAT_VERSION
                 f.attrs["checksum"] = index.checksum
                 f.attrs["field_names"] = np.array(index.field_names, dtype=h5py.string_dtype())
-                f.attrs["shardio_meta"] = json.dumps(index.meta, sort_keys=True)
+                meta_text = json.dumps(index.meta, sort_keys=True)
+                f.attrs["shardio_meta"] = meta_text
+                f.attrs["index_digest"] = _index_digest(
+                    index.checksum, index.field_names, meta_text, index.key_blob, index.arrays()
+                )
                 # A view of the payload, not a copy: h5py writes straight from it.
                 view = np.frombuffer(self._buf, dtype=np.uint8, count=self._used)
                 payload = f.create_dataset("payload", data=view, track_times=False)
@@ -189,12 +206,30 @@ class Hdf5Writer(ShardWriter):
             pass
 
 
+def _index_digest(checksum: str, names: Sequence[str], meta_text: str, key_blob: bytes,
+                  arrays: Mapping[str, np.ndarray]) -> str:
+    """The ``index_digest`` attribute: xxh3_64 over everything a reader takes from the index,
+    arrays as their little-endian values (``f_offset`` relative to ``/payload``)."""
+    h = new_digest(INDEX_DIGEST)
+    parts = [checksum.encode(), json.dumps(list(names)).encode(), meta_text.encode(), key_blob]
+    parts += [np.ascontiguousarray(arrays[name], dtype=dt).tobytes() for name, dt in _ARRAYS]
+    for part in parts:
+        h.update(struct.pack("<Q", len(part)))
+        h.update(part)
+    return h.hexdigest()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def load_hdf5_index(path: str) -> ShardIndex:
     """Load the index of an HDF5 shard, with ``f_offset`` made absolute file offsets.
 
     Raises:
         ShardNotFoundError: no such file.
-        IndexCorruptError: not a shardio HDF5 shard, or its index is damaged.
+        IndexCorruptError: not a shardio HDF5 shard, or its index is damaged (unreadable, failing
+            ``index_digest``, or inconsistent).
         ManifestVersionError: written by a newer shardio.
     """
     h5py = _h5py()
@@ -212,21 +247,77 @@ def load_hdf5_index(path: str) -> ShardIndex:
                 )
             payload = f["payload"]
             base = payload.id.get_offset()
+            payload_len = int(payload.size)
             g = f["index"]
-            arrays = {name: np.asarray(g[name][()]) for name in
-                      ("key_offsets", "sample_start", "f_name", "f_flags", "f_offset",
-                       "f_length", "f_raw_length", "f_checksum")}
+            # Cast to the index model's dtypes: a damaged HDF5 type message changes the values
+            # read (which index_digest then catches), never the dtypes the reader works with.
+            arrays = {name: np.asarray(g[name][()]).astype(dt, copy=False)
+                      for name, dt in _ARRAYS}
             key_blob = np.asarray(g["key_blob"][()], dtype=np.uint8).tobytes()
-            names = [n.decode() if isinstance(n, bytes) else str(n) for n in f.attrs["field_names"]]
-            meta = json.loads(f.attrs.get("shardio_meta", "{}"))
-            checksum = f.attrs["checksum"]
-            checksum = checksum.decode() if isinstance(checksum, bytes) else str(checksum)
-    except (OSError, KeyError, ValueError) as exc:
+            names = [_text(n) for n in f.attrs["field_names"]]
+            meta_text = _text(f.attrs.get("shardio_meta", "{}"))
+            meta = json.loads(meta_text)
+            if not isinstance(meta, dict):
+                raise TypeError("shardio_meta is not a JSON object")
+            checksum = _text(f.attrs["checksum"])
+            stored_digest = f.attrs.get("index_digest")
+    except (OSError, KeyError, ValueError, TypeError) as exc:
         raise IndexCorruptError(
             f"cannot read the index of HDF5 shard {path} ({exc}); the file is damaged: restore it "
             "from a good copy or repack"
         ) from exc
-    arrays["f_offset"] = arrays["f_offset"].astype("<u8") + np.uint64(base or 0)
+    problem = None
+    if stored_digest is not None:  # absent in shards written before it existed
+        found = _index_digest(checksum, names, meta_text, key_blob, arrays)
+        if _text(stored_digest) != found:
+            problem = f"index_digest mismatch: expected {_text(stored_digest)}, found {found}"
+    problem = problem or _structure_problem(names, payload_len, key_blob, arrays)
+    if problem is not None:
+        raise IndexCorruptError(
+            f"the index of HDF5 shard {path} is corrupt ({problem}); restore the shard from a "
+            "good copy (`shardio verify` lists the damaged ones) or repack"
+        )
+    arrays["f_offset"] = arrays["f_offset"] + np.uint64(base or 0)
     return ShardIndex(
         field_names=names, checksum=checksum, key_blob=key_blob, meta=meta, **arrays
     )
+
+
+def _structure_problem(names: Sequence[str], payload_len: int, key_blob: bytes,
+                       a: Mapping[str, np.ndarray]) -> str | None:
+    """Why the index arrays cannot be what :class:`Hdf5Writer` wrote, or None when they can.
+
+    Holds for every shard whatever its age, so a shard without ``index_digest`` still cannot
+    send a read outside ``/payload``, name a field that does not exist, decompress a raw field
+    or mis-cut a key."""
+    if any(arr.ndim != 1 for arr in a.values()):
+        return "an index array is not one-dimensional"
+    ko, ss = a["key_offsets"], a["sample_start"]
+    rows = len(a["f_name"])
+    per_row = [arr for name, arr in a.items() if name.startswith("f_")]
+    if not len(ko) or len(ss) != len(ko) or any(len(arr) != rows for arr in per_row):
+        return (f"array lengths disagree: {len(ko)} key offsets, {len(ss)} sample starts, "
+                f"{rows} field names")
+    for label, arr, end in (("key_offsets", ko, len(key_blob)), ("sample_start", ss, rows)):
+        if arr[0] != 0 or arr[-1] != end or bool((arr[1:] < arr[:-1]).any()):
+            return f"{label} are not increasing from 0 to {end}"
+    blob = np.frombuffer(key_blob, dtype=np.uint8)
+    cuts = ko[1:-1][ko[1:-1] < len(blob)]
+    try:
+        key_blob.decode("utf-8")
+    except UnicodeDecodeError:
+        return "key_blob is not UTF-8"
+    if bool(((blob[cuts] & 0xC0) == 0x80).any()):
+        return "key_offsets cut a UTF-8 character"
+    fname, flags, off, length = a["f_name"], a["f_flags"], a["f_offset"], a["f_length"]
+    if rows and int(fname.max()) >= len(names):
+        return f"f_name {int(fname.max())} names no field (there are {len(names)})"
+    if bool((flags & ~np.uint8(FLAG_ZSTD)).any()):
+        return f"unknown f_flags {sorted(set(flags.tolist()) - {0, FLAG_ZSTD})}"
+    if bool((off[1:] < off[:-1]).any()) or bool((off > payload_len).any()) or bool(
+            (length > np.uint64(payload_len) - off).any()):
+        return f"field offsets are not in order inside the {payload_len}-byte payload"
+    # Codec.encode keeps a compressed field only when it is smaller than the raw bytes.
+    if bool(np.where(flags == 0, a["f_raw_length"] != length, a["f_raw_length"] <= length).any()):
+        return "a field's raw length does not fit its flags (equal if raw, larger if compressed)"
+    return None
