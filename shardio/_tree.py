@@ -179,6 +179,19 @@ def _leaf(x: Any, acc: _Acc) -> Any:
     return x
 
 
+_NUMBER = (bool, np.bool_, int, np.integer, float, np.floating)
+_KIND: dict[type, str] = {bool: "b", int: "i", float: "f"}
+
+
+def _kind_of(x: Any) -> str | None:
+    """``"b"``, ``"i"`` or ``"f"`` for a bool, integer or float (numpy's too); else None."""
+    if isinstance(x, (bool, np.bool_)):
+        return "b"
+    if isinstance(x, (int, np.integer)):
+        return "i"
+    return "f" if isinstance(x, (float, np.floating)) else None
+
+
 def plan_tree(tree: Any) -> Plan:
     """Plan a message for a tree built by the user's collate function."""
     acc = _Acc()
@@ -195,15 +208,17 @@ def _col(items: Sequence[Any], acc: _Acc) -> Any:
         ):
             return acc.add(a0.dtype, (len(arrs), *a0.shape), _stack_into(arrs), True)
         return list(items)
-    if isinstance(first, (bool, np.bool_, int, np.integer)):
-        dtype = np.bool_ if isinstance(first, (bool, np.bool_)) else np.int64
+    if isinstance(first, _NUMBER):
+        # The column's type comes from every item, not the first: [1, 2.5] is float64 (not
+        # [1, 2]) and [True, 5] int64, as torch's default_collate gives them.
+        kinds = {_KIND.get(type(x)) or _kind_of(x) for x in items}
+        if None in kinds:
+            return list(items)
+        dtype = np.float64 if "f" in kinds else np.int64 if "i" in kinds else np.bool_
         try:
             arr = np.asarray(items, dtype=dtype)
         except (OverflowError, ValueError, TypeError):
             return list(items)
-        return acc.add(arr.dtype, arr.shape, _copy_from(arr), True)
-    if isinstance(first, (float, np.floating)):
-        arr = np.asarray(items, dtype=np.float64)
         return acc.add(arr.dtype, arr.shape, _copy_from(arr), True)
     if isinstance(first, bytes) and all(type(x) is bytes for x in items):
         bounds = np.zeros(len(items) + 1, dtype=np.int64)
@@ -223,8 +238,9 @@ def plan_collate(samples: Sequence[Any]) -> Plan:
     """Default collate, like torch's ``default_collate`` but writing into the message.
 
     Per-sample arrays/tensors of one shape and dtype are stacked into one batch tensor (written
-    directly into the message), numbers become int64/float64 tensors, dicts and sequences are
-    collated field by field, strings and bytes become lists.
+    directly into the message), numbers become a float64 tensor if any item is a float, else
+    int64 if any is an integer, else bool; dicts and sequences are collated field by field,
+    strings and bytes become lists.
     """
     acc = _Acc()
     return acc.plan(_col(list(samples), acc))

@@ -36,3 +36,19 @@ def test_user_tree_round_trips() -> None:
     assert torch.equal(out["x"], tree["x"])
     assert out["y"][0].tolist() == [1.0, 1.0] and out["y"][1:] == ["s", b"b"]
     assert out["z"] == (1, None)
+
+
+def test_number_columns_take_their_type_from_every_item() -> None:
+    """A column's dtype comes from all its items (it came from the first: [1, 2.5] became
+    [1, 2] and [True, 5] [True, True], silently)."""
+    cols = {"mixed": [1, 2.5, np.int32(3)], "bool_int": [True, 5, False], "bools": [True, False],
+            "ints": [np.int16(4), 7, True], "floats": [0.5, np.float32(1.5), 2],
+            "huge": [1, 2**70], "other": [1, "x"]}
+    out = roundtrip(plan_collate([{k: v[i] for k, v in cols.items()} for i in range(2)]))
+    assert out["mixed"].dtype == torch.float64 and out["mixed"].tolist() == [1.0, 2.5]
+    assert out["bool_int"].dtype == torch.int64 and out["bool_int"].tolist() == [1, 5]
+    assert out["bools"].dtype == torch.bool and out["bools"].tolist() == [True, False]
+    assert out["ints"].dtype == torch.int64 and out["ints"].tolist() == [4, 7]
+    assert out["floats"].dtype == torch.float64 and out["floats"].tolist() == [0.5, 1.5]
+    assert out["huge"] == [1, 2**70]  # beyond int64: kept as Python ints
+    assert out["other"] == [1, "x"]
