@@ -13,9 +13,11 @@ from ._fsutil import resolve_in, translate_oserror
 from .checksum import digest_bytes
 from .codec import Codec
 from .errors import (
+    LayoutError,
     ManifestCorruptError,
     MissingDependencyError,
     ParityError,
+    ShardIOError,
     ShardNotFoundError,
     ShardTruncatedError,
     UnrepairableError,
@@ -238,17 +240,27 @@ class DatasetReader:
         """Whether the dataset directory is on Lustre (probed once per process)."""
         if self._fs is None:
             self._fs = detect_fs(self.root).kind
-            if self._fs == "lustre" and self.num_shards:
-                # Coalesced reads: whole multiples of the stripe size, at least 4 MiB.
-                layout = get_layout(self.shard_path(0))
-                block = read_block_size(layout)
-                self.read_block = -(-max(self.read_block, block) // block) * block
+            if self._fs == "lustre":
+                # Coalesced reads: whole multiples of the stripe size, at least 4 MiB.  The
+                # layout comes from the first shard that answers: a missing or damaged shard is
+                # the ladder's business when it is read, not a fault of the shard being opened.
+                for j in range(min(self.num_shards, 8)):
+                    try:
+                        block = read_block_size(get_layout(self.shard_path(j)))
+                    except (ShardIOError, LayoutError):
+                        continue
+                    self.read_block = -(-max(self.read_block, block) // block) * block
+                    break
         return self._fs == "lustre"
 
     def ost_of(self, i: int) -> int | None:
-        """The storage target (Lustre OST index) holding the start of shard ``i``, or None."""
+        """The storage target (Lustre OST index) holding the start of shard ``i``, or None
+        (not on Lustre, or its layout cannot be read: the read itself meets that fault)."""
         if i not in self._osts:
-            layout = get_layout(self.shard_path(i)) if self.on_lustre else None
+            try:
+                layout = get_layout(self.shard_path(i)) if self.on_lustre else None
+            except (ShardIOError, LayoutError):
+                layout = None
             self._osts[i] = layout.first_ost if layout is not None else None
         return self._osts[i]
 

@@ -128,6 +128,8 @@ class FakeProbe(FsProbe):
     def getxattr(self, path: str, name: str) -> bytes | None:
         self.calls.append(f"getxattr {name}")
         real = os.path.realpath(path)
+        if not os.path.lexists(path):  # as os.getxattr fails on a missing file
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
         stored = self.xattrs.get(real, {}).get(name)
         if stored is None and name == "lustre.lov" and self.default_layout \
                 and self._on_lustre(real) and os.path.exists(real):

@@ -5,6 +5,7 @@ size their reads from the stripe size and spread read-ahead over OSTs."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,27 @@ def test_reader_uses_stripe_multiples_and_spreads_over_osts(
     r.willneed(range(len(m.shards)), limit=3)
     assert sorted(r.ost_of(i) for i in r._advised) == [0, 1, 2]  # three shards, three OSTs
     assert len(list(r)) == m.num_samples
+
+
+def test_a_missing_shard_is_not_blamed_on_another_during_the_lustre_probe(
+        image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stripe size is probed on the first shard that answers and OST spreading treats an
+    unreadable layout as unknown: shard 0 missing once made reading intact shard 5 fail (or
+    count a fault of shard 5 and fail over), and made willneed() raise."""
+    root, replica = tmp_path / "lustre" / "ds", tmp_path / "replica"
+    pack(image_tree, root, PackOptions(samples_per_shard=6, fsync=False))
+    shutil.copytree(root, replica)
+    fake_lustre(monkeypatch, tmp_path / "lustre")
+    m = Manifest.load(root)
+    (root / m.shards[0].path).unlink()
+    first5 = sum(s.samples for s in m.shards[:5])
+    with DatasetReader(root) as r:
+        assert r[first5]["__key__"]  # no replica: a fault here would have raised
+        assert r.read_block % (1 << 20) == 0
+    with DatasetReader(root, replicas=[str(replica)]) as r:
+        r[first5]
+        r.willneed([1, 0, 2], limit=3)
+        c = r.counters.snapshot()
+        assert c["io_error"] == c["missing"] == c["failovers"] == 0
+        assert r[0] == DatasetReader(replica)[0]  # the real read handles the missing shard
+        assert r.counters.get("missing") == 1
