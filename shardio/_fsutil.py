@@ -19,12 +19,17 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
 
 
-def parse_size(text: str | int) -> int:
-    """Parse ``256MB``, ``1GiB``, ``4096`` into bytes (decimal for MB, binary for MiB).
+def parse_size(text: str | int | float) -> int:
+    """Parse ``256MB``, ``1GiB``, ``4096`` (or a whole float such as ``800e9``) into bytes
+    (decimal for MB, binary for MiB).
 
     Raises:
-        UsageError: the text is not a positive size.
+        UsageError: the value is not a positive size.
     """
+    if isinstance(text, float) and text.is_integer():
+        text = int(text)
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise UsageError(f"invalid size {text!r}; write it like 256MB, 1GiB or 1048576")
     if isinstance(text, int):
         value = text
     else:

@@ -280,6 +280,8 @@ class ReadOptions:
             raise UsageError(f"prefetch_shards must be >= 0, got {self.prefetch_shards}")
         if self.stage_lookahead < 0:
             raise UsageError(f"stage_lookahead must be >= 0, got {self.stage_lookahead}")
+        if self.cache_reserve is None:
+            raise UsageError("cache_reserve must be a size such as '1GiB' (0 for none), not None")
         for name in ("cache_budget", "cache_reserve", "stage_bandwidth"):
             value = getattr(self, name)
             if value is not None:

@@ -149,7 +149,13 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         return self._plan().per_rank
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows (call before each epoch)."""
+        """Select the epoch whose order the next iteration follows (call before each epoch).
+
+        Raises:
+            UsageError: ``epoch`` is not an integer >= 0.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise UsageError(f"epoch must be an integer >= 0, got {epoch!r}")
         if epoch != self.epoch:
             self._cursor = 0
             self._delivered = 0

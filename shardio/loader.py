@@ -203,11 +203,13 @@ class ShardLoader:
         return self._num_steps(self._plan())
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next iteration follows (forwards to the dataset)."""
-        if epoch != self.dataset.epoch:
+        """Select the epoch the next iteration follows (forwards to the dataset, which checks
+        it)."""
+        changed = epoch != self.dataset.epoch
+        self.dataset.set_epoch(epoch)
+        if changed:
             self._delivered = 0
             self._finished = False
-        self.dataset.set_epoch(epoch)
 
     # --- iteration ---------------------------------------------------------------------------
     def _ensure_pool(self) -> WorkerPool:

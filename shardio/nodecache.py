@@ -147,12 +147,15 @@ class StageOptions:
     def __post_init__(self) -> None:
         if self.budget is not None:
             object.__setattr__(self, "budget", _size_or_zero(self.budget))
+        if self.reserve is None:
+            raise UsageError("reserve must be a size such as '1GiB' (0 for none), not None")
         object.__setattr__(self, "reserve", _size_or_zero(self.reserve))
         if self.bandwidth is not None:
             object.__setattr__(self, "bandwidth", parse_size(self.bandwidth))
         if not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise UsageError(f"lookahead must be an integer >= 0, got {self.lookahead!r}")
-        if not self.poll_interval > 0:
+        if isinstance(self.poll_interval, bool) or not isinstance(
+                self.poll_interval, (int, float)) or not self.poll_interval > 0:
             raise UsageError(f"poll_interval must be > 0 seconds, got {self.poll_interval!r}")
 
 

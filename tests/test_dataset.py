@@ -767,6 +767,21 @@ def test_bad_read_options(tiny: Path) -> None:
         shardio.ShardDataset(tiny, batch_size=0)
     with pytest.raises(UsageError, match="either"):
         shardio.ShardDataset(tiny, shardio.ReadOptions(), seed=1)
+    for epoch in (-1, 1.5, "2", None):
+        with pytest.raises(UsageError, match="epoch must be an integer"):
+            shardio.ShardDataset(tiny).set_epoch(epoch)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="cache_reserve"):
+        shardio.ShardDataset(tiny, cache_reserve=None)
+    for bad in ({"cache_budget": [1]}, {"cache_budget": True}, {"stage_bandwidth": 1.5}):
+        with pytest.raises(UsageError, match="invalid size"):
+            shardio.ShardDataset(tiny, **bad)
+    # A whole float is a size (800e9 bytes), as numbers often come from a config file.
+    assert shardio.ReadOptions(cache_budget=800e9).cache_budget == 800 * 10**9
+    from shardio.nodecache import StageOptions
+
+    for bad in ({"reserve": None}, {"poll_interval": None}, {"bandwidth": "fast"}):
+        with pytest.raises(UsageError):
+            StageOptions(**bad)
 
 
 def test_persistent_workers_follow_set_epoch_and_resume(tiny: Path) -> None:
