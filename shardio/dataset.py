@@ -21,7 +21,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .config import ReadOptions
 from .decode import decode_sample
-from .errors import UsageError
+from .errors import UnrepairableError, UsageError
 from .order import EpochOrder, NodeAffineOrder, NodeSchedule, RankPlan, node_schedule
 from .reader import DatasetReader
 from .topology import Topology
@@ -217,6 +217,8 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self.reader.prefer_cache()
         steps = plan.worker_steps(worker, workers)
         ahead: np.ndarray | None = None
+        keep_spare = self.options.on_corrupt == "skip"
+        spare: dict[str, Any] | None = None  # the last sample read, for skipped ones
         for k, t in enumerate(steps):
             ids = ahead if ahead is not None else self._step_ids(order, plan, cursor, t)
             ahead = None
@@ -224,8 +226,18 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             if self.options.prefetch_shards and k + 1 < len(steps):
                 ahead = self._step_ids(order, plan, cursor, steps[k + 1])
                 self._advise(ahead)
+            n = 0
             for sample in self.reader.read_ids(ids):
+                n += 1
+                if keep_spare:
+                    spare = sample
                 out = self._prepare(sample)
+                if info is None:
+                    self._delivered += 1
+                yield out
+            for _ in range(len(ids) - n):  # skipped (on_corrupt="skip"): keep the step full
+                spare = repeat_for_skipped(self.reader, ids, spare)
+                out = self._prepare(spare)
                 if info is None:
                     self._delivered += 1
                 yield out
@@ -418,6 +430,27 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self.__dict__.update(state)
         self.cache = self._node_cache()
         self.reader.ladder.cache = self.cache
+
+
+def repeat_for_skipped(reader: DatasetReader, ids: np.ndarray,
+                       spare: dict[str, Any] | None) -> dict[str, Any]:
+    """The sample that takes a skipped one's place in its batch: under ``on_corrupt="skip"``
+    a step still yields as many samples as it has ids, so every rank yields the same number
+    of batches (a rank short of one would hang DDP's next collective) and positions stay
+    exact for ``state_dict``.  It repeats the last sample read, or, with none read yet in
+    this process, the first sample of the dataset that reads cleanly.
+
+    Raises:
+        UnrepairableError: no shard of the dataset has a readable sample.
+    """
+    if spare is not None:
+        return spare
+    shards = (np.searchsorted(reader.offsets, ids, side="right") - 1).tolist()
+    found = reader.stand_in(avoid=shards)
+    if found is not None:
+        return found
+    raise UnrepairableError(reader.manifest.shards[shards[0]].path, [(
+        "every shard", "no readable sample left to keep the batch full (on_corrupt='skip')")])
 
 
 def _ids_at(order: EpochOrder, positions: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ import torch
 from ._fsutil import atomic_write_bytes
 from ._tree import plan_collate, plan_tree, read_header, read_tree
 from .config import LoaderOptions
-from .dataset import ShardDataset
+from .dataset import ShardDataset, repeat_for_skipped
 from .errors import UsageError, WorkerCrashedError
 from .order import RankPlan
 from .pool import PoolOptions, WorkerPool, _set_pdeathsig
@@ -65,6 +65,7 @@ class _Job:
         self.plan: RankPlan | None = None
         self.cursor = 0
         self.report = True  # tell the node's stager where this reader is
+        self.spare: dict[str, Any] | None = None  # last sample read (see repeat_for_skipped)
 
     def begin(self, spec: dict[str, Any]) -> None:
         # Everything comes from ``spec``: the dataset's epoch and cursor live in memory shared
@@ -105,6 +106,11 @@ class _Job:
             self.ahead = (nxt, ds._step_ids(self.order, plan, self.cursor, nxt))
             ds._advise(self.ahead[1])
         raw = list(ds.reader.read_ids(ids))
+        if ds.options.on_corrupt == "skip" and raw:
+            self.spare = raw[-1]
+        while len(raw) < len(ids):  # skipped (on_corrupt="skip"): the batch stays full
+            self.spare = repeat_for_skipped(ds.reader, ids, self.spare)
+            raw.append(self.spare)
         t1 = time.perf_counter()
         o = self.dataset.options
         if o.decode:

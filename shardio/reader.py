@@ -166,6 +166,23 @@ class DatasetReader:
             self.ladder.recovered(i, copy)
         return self._keep(i, copy, reader)[1]
 
+    def stand_in(self, avoid: Iterable[int] = ()) -> dict[str, Any] | None:
+        """The first sample, in shard order, that reads cleanly from a shard not in ``avoid``,
+        found without the repair ladder or its counters (a stand-in for skipped samples);
+        ``None`` when no shard has one."""
+        skip = set(avoid)
+        for s in range(self.num_shards):
+            if s in skip or self.offsets[s + 1] == self.offsets[s]:
+                continue
+            reader = self._probe(s)
+            if reader is None:
+                continue
+            try:
+                return reader.get(0)
+            except FAULTS:
+                continue
+        return None
+
     def _keep(self, i: int, copy: Copy, reader: ShardReader) -> tuple[Copy, ShardReader]:
         reader.arena = self.arena
         self._readers[i] = (copy, reader)

@@ -84,8 +84,8 @@ def test_no_good_copy_raises_or_skips(data) -> None:
 
     ds = shardio.ShardDataset(root, shuffle=False, replicas=[str(replica)], on_corrupt="skip")
     got = epoch(ds)
-    assert len(got) == len(clean) - 1  # exactly the one bad sample left out
-    assert set(got) <= set(clean)
+    assert len(got) == len(clean)  # the batch stays full: a repeat takes the bad sample's place
+    assert len(set(got)) == len(clean) - 1 and set(got) <= set(clean)  # exactly the bad one out
     assert ds.reader.counters.get("skipped_samples") == 1
 
 
@@ -101,11 +101,59 @@ def test_lost_shard_is_skipped_and_counted_once_per_sample(data, shuffle: bool) 
     ds = shardio.ShardDataset(root, shuffle=shuffle, seed=5, replicas=[str(replica)],
                               on_corrupt="skip")
     got = epoch(ds)
-    assert len(got) == len(clean) - lost and set(got) <= set(clean)
+    assert len(got) == len(clean) and set(got) <= set(clean)  # repeats fill the batches
+    assert len(set(got)) == len(clean) - lost
     c = ds.reader.counters.snapshot()
     # Per lost sample: the original and the replica found missing, then given up and skipped.
     assert (c["missing"], c["failovers"]) == (2 * lost, 2 * lost)
     assert c["unrepairable"] == c["skipped_samples"] == lost
+
+
+@pytest.mark.parametrize("loader", ["dataloader", "shardloader"])
+def test_skip_keeps_every_rank_at_the_same_full_batches(data, loader: str) -> None:
+    """Two ranks, one of them meeting a lost shard under on_corrupt="skip": both yield the
+    same number of full batches (the short rank once yielded a batch less: a DDP hang), and
+    the resume position after k batches is the same as without the loss."""
+    from torch.utils.data import DataLoader
+
+    root, replica, _clean = data
+    corrupt_dataset(str(root), [1], "delete")
+
+    def run(where: Path, rank: int) -> tuple[list[list[str]], int]:
+        ds = shardio.ShardDataset(where, batch_size=4, shuffle=False, on_corrupt="skip",
+                                  topology=shardio.Topology(rank=rank, world_size=2))
+        keys = lambda b: [s["__key__"] for s in b]  # noqa: E731
+        if loader == "dataloader":
+            batches = list(DataLoader(ds, batch_size=4, collate_fn=keys))
+        else:
+            with shardio.ShardLoader(ds, batch_size=4, num_workers=2, collate_fn=keys) as ld:
+                batches = list(ld)
+        return batches, ds.io_stats()["repair"]["skipped_samples"]
+
+    lost = 0
+    for rank in range(2):
+        clean, _ = run(replica, rank)
+        got, skipped = run(root, rank)
+        assert [len(b) for b in got] == [len(b) for b in clean]  # same batches, all full
+        lost += skipped
+    assert lost == Manifest.load(str(root)).shards[1].samples
+
+
+def test_skip_fills_a_first_batch_lost_entirely(data) -> None:
+    """With nothing read yet, the stand-in is the dataset's first readable sample (found
+    without counting faults); with nothing readable at all, a typed error, not a short
+    batch."""
+    root, _replica, clean = data
+    corrupt_dataset(str(root), [0], "delete")
+    ds = shardio.ShardDataset(root, batch_size=4, shuffle=False, on_corrupt="skip")
+    got = epoch(ds)
+    lost = Manifest.load(str(root)).shards[0].samples
+    assert len(got) == len(clean) and got[:lost] == [clean[lost]] * lost
+    assert ds.io_stats()["repair"]["skipped_samples"] == lost
+    corrupt_dataset(str(root), range(1, len(Manifest.load(str(root)).shards)), "delete")
+    ds = shardio.ShardDataset(root, batch_size=4, shuffle=False, on_corrupt="skip")
+    with pytest.raises(UnrepairableError, match="no readable sample left"):
+        epoch(ds)
 
 
 def test_single_copy_keeps_the_typed_error(data) -> None:
