@@ -349,8 +349,10 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         if batches is None:
             if not self._iterated_here:
                 raise UsageError(
-                    "this ShardDataset is iterated inside DataLoader workers, so it cannot see what "
-                    "was delivered: pass state_dict(batches=<batches this rank consumed this epoch>)"
+                    "this ShardDataset was not iterated in this process (DataLoader workers "
+                    "iterate it, or nothing was iterated yet), so it cannot see what was "
+                    "delivered: pass state_dict(batches=<batches this rank consumed this epoch>, "
+                    "0 before the first)"
                 )
             if self._finished:  # the whole epoch was delivered: nothing of it is left
                 batches = None
