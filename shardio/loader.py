@@ -180,7 +180,7 @@ class ShardLoader:
         self.options = options
         self._stats = LoaderStats(log_every=options.log_every, window=options.warn_window,
                                   warn_ratio=options.warn_wait_ratio)
-        self._iterating = False
+        self._iterating: object | None = None  # the running iteration's token
         self._warned_big = False
         self.ring_bytes = 0 if options.ring_bytes == "auto" else int(options.ring_bytes)
         self._preempt: tuple[str | None, Any, bool] = (None, None, True)
@@ -440,7 +440,7 @@ class ShardLoader:
         self._stats.restarts = pool.restarts
         ds._start_staging(ds.epoch, self.batch_size)
         it = pool.run(spec, steps)
-        self._iterating = True
+        self._iterating = token = object()  # a superseded iteration must not clear a newer one's
         try:
             while True:
                 self._drain_releases()
@@ -472,7 +472,8 @@ class ShardLoader:
                 self._stats.end_wait(started, stages)
                 yield batch
         finally:
-            self._iterating = False
+            if self._iterating is token:
+                self._iterating = None
         self._stats.epoch_end()
         self._finished = True
         self.dataset._cursor = 0

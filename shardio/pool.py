@@ -3,12 +3,21 @@
 Protocol
     Each worker owns one SPSC :class:`~shardio.ring.Ring` (worker produces, main consumes), one
     control pipe (main → worker, commands only) and one spill pipe (worker → main, used only when
-    the ring cannot take a message, see *Spill*).  Commands are small tuples tagged with
-    :class:`Cmd`:
+    the ring cannot take a message, see *Spill*).  Commands are tuples tagged with :class:`Cmd`,
+    pickled behind an 8-byte little-endian length:
 
-    * ``(Cmd.EPOCH, generation, spec, steps)``: call ``job.begin(spec)`` then, for each step,
-      ``job.produce(step)`` and write the resulting message into the ring.
+    * ``(Cmd.EPOCH, generation, spec, runs)``: call ``job.begin(spec)`` then, for each step of
+      ``runs`` (``range`` objects, in order), ``job.produce(step)`` and write the resulting
+      message into the ring.  A worker skips a command whose generation is already stale.
     * ``(Cmd.STOP,)``: exit.
+
+    Main never blocks on a control pipe: the one party that can unblock a worker that is not
+    reading it (blocked on its spill pipe until main reads, or stuck in ``fork``) is main.  Steps
+    travel as arithmetic runs (a worker's share of an epoch is ``range(first, n, W)``, what a
+    restarted worker redoes is a suffix of it), so a command is a few hundred bytes however long
+    the epoch; and main's end is non-blocking: whatever the pipe does not take at once (a huge
+    ``spec``, a step list with no runs) waits in an outbox that main flushes while it waits for
+    batches.
 
     Messages carry the step number and the generation (``_tree`` header); main drops messages of
     an older generation, and a worker abandons an epoch as soon as the shared generation counter
@@ -37,9 +46,13 @@ Failure handling
     (SIGKILL, segfault) is noticed within ``poll_interval`` seconds while main waits on it (or when
     the next epoch starts); committed messages still in its ring or pipe stay valid, and a fresh
     worker (same ring) redoes the steps that were never committed.  After ``max_restarts`` deaths,
-    :class:`WorkerCrashedError`.  Workers get ``PR_SET_PDEATHSIG``: if main dies, so do they, and the
-    rings (unlinked at creation) vanish with the last mapping.  A worker closes the inherited main
-    ends of every pipe, so that closing the pool (main's ends) unblocks a worker stuck on one.
+    :class:`WorkerCrashedError`.  If main dies, so do the workers, and the rings (unlinked at
+    creation) vanish with the last mapping: workers forked by the main thread get
+    ``PR_SET_PDEATHSIG``, and every worker watches its parent pid while it waits for a command or
+    for ring space (the signal fires when the forking *thread* exits, so a worker forked by any
+    other thread, say one that iterates each epoch in the background, must not have it).  A
+    worker closes the inherited main ends of every pipe, so that closing the pool (main's ends)
+    unblocks a worker stuck on one.
 
 Stuck start
     On CPython without the fix for python/cpython#112275 (before 3.12 and 3.11.10), a
@@ -51,6 +64,11 @@ Stuck start
     seconds after its fork is killed and restarted like a dead worker (and counted in
     ``restarts``).
 
+Generations
+    Each :meth:`WorkerPool.run` starts a new generation and abandons the previous one: an older
+    ``run`` iterator resumed after that raises :class:`~shardio.errors.UsageError` instead of
+    waiting for batches that will never come.
+
 Worker states: STARTING → IDLE ⇄ PRODUCING → STOPPED | DEAD (→ restarted as a new STARTING).
 """
 
@@ -58,14 +76,18 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import logging
 import multiprocessing as mp
 import os
+import pickle
+import select
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
@@ -80,7 +102,13 @@ from ._tree import (
     write_times,
 )
 from .config import START_TIMEOUT
-from .errors import RingClosedError, RingTimeoutError, WorkerCrashedError, WorkerError
+from .errors import (
+    RingClosedError,
+    RingTimeoutError,
+    UsageError,
+    WorkerCrashedError,
+    WorkerError,
+)
 from .ring import DEFAULT_SHM_DIR, Message, Ring, check_shm_space, sweep_stale
 
 __all__ = ["BatchJob", "Cmd", "PoolOptions", "Sent", "SpilledMessage", "WorkerPool"]
@@ -162,6 +190,89 @@ class Sent(IntEnum):
     CLOSED = 3  # the pool closed the ring or the pipe: exit
 
 
+def _runs(steps: Iterable[int]) -> list[range]:
+    """``steps`` (in order) as maximal arithmetic runs."""
+    if isinstance(steps, range):
+        return [steps] if steps else []
+    runs: list[range] = []
+    for s in steps:
+        if runs:
+            r = runs[-1]
+            if len(r) == 1 and s != r.start:
+                runs[-1] = range(r.start, s + (s - r.start), s - r.start)
+                continue
+            if len(r) > 1 and s == r[-1] + r.step:
+                runs[-1] = range(r.start, s + r.step, r.step)
+                continue
+        runs.append(range(s, s + 1))
+    return runs
+
+
+class _Todo:
+    """The steps one worker still owes in this epoch, in order, kept as arithmetic runs so that
+    they travel in a few bytes (see *Protocol*); main pops them as batches arrive."""
+
+    __slots__ = ("_at", "_runs")
+
+    def __init__(self, steps: Iterable[int]) -> None:
+        self._runs = _runs(steps)
+        self._at = 0  # runs before it are done; runs[_at] may have been trimmed at the front
+
+    def first(self) -> int:
+        return self._runs[self._at][0]
+
+    def pop(self) -> None:
+        r = self._runs[self._at]
+        if len(r) > 1:
+            self._runs[self._at] = r[1:]
+        else:
+            self._at += 1
+
+    def runs(self) -> list[range]:
+        return self._runs[self._at:]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain.from_iterable(self.runs())
+
+    def __contains__(self, step: object) -> bool:
+        return any(step in r for r in self._runs[self._at:])
+
+
+def _frame(cmd: tuple[Any, ...]) -> memoryview:
+    body = pickle.dumps(cmd, pickle.HIGHEST_PROTOCOL)
+    return memoryview(len(body).to_bytes(8, "little") + body)
+
+
+def _read_exact(fd: int, n: int, parent: int, poll: float) -> bytes | None:
+    """``n`` bytes from the control pipe, or None once main is gone (EOF, or a new parent:
+    another process may still hold main's end, a fork of main for one)."""
+    waiter = select.poll()  # not select.select: a training process may have fds over 1024
+    waiter.register(fd, select.POLLIN)
+    buf = bytearray()
+    while len(buf) < n:
+        if not waiter.poll(poll * 1000):
+            if os.getppid() != parent:
+                return None
+            continue
+        try:
+            chunk = os.read(fd, n - len(buf))
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _read_command(fd: int, parent: int, poll: float) -> Any:
+    """The next command (see *Protocol*), or None once main is gone."""
+    head = _read_exact(fd, 8, parent, poll)
+    if head is None:
+        return None
+    body = _read_exact(fd, int.from_bytes(head, "little"), parent, poll)
+    return None if body is None else pickle.loads(body)
+
+
 def _set_pdeathsig() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -174,9 +285,9 @@ class _Output:
     """Worker side of one worker's ring and spill pipe (see *Spill* in the module docstring)."""
 
     def __init__(self, ring: Ring, data: Any, gen: Any, want: Any, index: int,
-                 poll: float) -> None:
+                 poll: float, parent: int) -> None:
         self.ring, self.data, self.gen, self.want = ring, data, gen, want
-        self.index, self.poll = index, poll
+        self.index, self.poll, self.parent = index, poll, parent
         self.spilling = False
 
     def deliver(self, plan: Plan, step: int, times: list[float], generation: int,
@@ -201,6 +312,8 @@ class _Output:
             try:
                 buf = self.ring.reserve(nbytes, timeout=timeout)
             except RingTimeoutError:
+                if os.getppid() != self.parent:  # main is gone: nobody will ever free space
+                    return Sent.CLOSED
                 # Full ring: spill only if main is blocked on exactly this message (a deadlock
                 # otherwise); if main is merely busy, it will release space: keep waiting.
                 if self.want[self.index] == step and self.gen.value == generation:
@@ -245,17 +358,21 @@ def _write(plan: Plan, buf: memoryview, step: int, times: list[float], kind: int
         write_times(buf, done)
 
 
-def _worker_main(job: BatchJob, ring: Ring, conn: Any, data: Any, gen: Any, want: Any,
+def _worker_main(job: BatchJob, ring: Ring, ctl: int, data: Any, gen: Any, want: Any,
                  started: Any, index: int, cpus: Sequence[int] | None, parent: int,
-                 poll: float, main_ends: Sequence[Any]) -> None:
+                 poll: float, main_ends: Sequence[Any], pdeathsig: bool) -> None:
     started[index] = os.getpid()  # out of fork: see "Stuck start" in the module docstring
-    _set_pdeathsig()
+    if pdeathsig:  # forked by main's main thread (see "Failure handling")
+        _set_pdeathsig()
     if os.getppid() != parent:  # main died before prctl took effect
         os._exit(1)
     # Main's ends of the pipes (this worker's and its siblings') came along with fork; a copy held
     # here would keep a pipe open after main closes it, and a send on it could then block forever.
     for c in main_ends:
-        c.close()
+        if isinstance(c, int):  # a control pipe's end
+            os.close(c)
+        else:
+            c.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is main's to handle
     # So are the batch system's warnings (Slurm --signal=USR1@120 reaches every process of the
     # step; their default action would kill the worker).
@@ -271,19 +388,18 @@ def _worker_main(job: BatchJob, ring: Ring, conn: Any, data: Any, gen: Any, want
         except OSError as exc:
             log.warning("worker %d: cannot pin to CPU %s: %s", index, cpus[index % len(cpus)], exc)
     ring.become_producer()
-    out = _Output(ring, data, gen, want, index, poll)
+    out = _Output(ring, data, gen, want, index, poll, parent)
     while True:
-        try:
-            cmd = conn.recv()
-        except (EOFError, OSError):
+        cmd = _read_command(ctl, parent, poll)
+        if cmd is None or cmd[0] == Cmd.STOP:
             return
-        if cmd[0] == Cmd.STOP:
-            return
-        _, generation, spec, steps = cmd
-        step = steps[0] if len(steps) else -1
+        _, generation, spec, runs = cmd
+        if gen.value != generation:  # superseded before it started: not worth a begin()
+            continue
+        step = runs[0][0] if runs else -1
         try:
             job.begin(spec)
-            for step in steps:
+            for step in itertools.chain.from_iterable(runs):
                 if gen.value != generation:
                     break
                 plan, times = job.produce(step)
@@ -304,8 +420,11 @@ class _Worker:
     index: int
     ring: Ring
     proc: Any = None
-    conn: Any = None  # control pipe, main's (sending) end
+    ctl: int | None = None  # control pipe, main's (sending, non-blocking) end
     data: Any = None  # spill pipe, main's (receiving) end
+    # Command bytes the control pipe has not taken yet; the first may be partly written.
+    outbox: deque[memoryview] = field(default_factory=deque)
+    partial: bool = False  # the first outbox entry is partly written
     restarts: int = 0
     spawned: float = 0.0  # time.monotonic() of the fork
     spilling: bool = False  # the last message came through the spill pipe
@@ -352,29 +471,36 @@ class WorkerPool:
             raise
 
     def _spawn(self, w: _Worker) -> None:
-        ctl_recv, ctl_send = self._ctx.Pipe(duplex=False)
+        ctl_recv, ctl_send = os.pipe()
+        os.set_blocking(ctl_send, False)  # see *Protocol*: main never blocks on it
         data_recv, data_send = self._ctx.Pipe(duplex=False)
         main_ends = [ctl_send, data_recv] + [
-            c for x in self._workers if x is not w for c in (x.conn, x.data) if c is not None
+            c for x in self._workers if x is not w for c in (x.ctl, x.data) if c is not None
         ]
+        # PR_SET_PDEATHSIG fires when the forking thread exits: only the main thread lives as
+        # long as the process.
+        pdeathsig = threading.current_thread() is threading.main_thread()
         proc = self._ctx.Process(
             target=_worker_main, name=f"shardio-worker-{w.index}", daemon=True,
             args=(self.job, w.ring, ctl_recv, data_send, self._gen, self._want, self._started,
-                  w.index, self.options.cpus, os.getpid(), self.options.poll_interval, main_ends),
+                  w.index, self.options.cpus, os.getpid(), self.options.poll_interval, main_ends,
+                  pdeathsig),
         )
         self._started[w.index] = 0
         w.spawned = time.monotonic()
         try:
             proc.start()
         except BaseException:
-            ctl_send.close()
+            os.close(ctl_send)
             data_recv.close()
             raise
         finally:
-            ctl_recv.close()
+            os.close(ctl_recv)
             data_send.close()
-        w.proc, w.conn, w.data = proc, ctl_send, data_recv
+        w.proc, w.ctl, w.data = proc, ctl_send, data_recv
         w.spilling = False
+        w.outbox.clear()
+        w.partial = False
 
     @property
     def num_workers(self) -> int:
@@ -394,29 +520,57 @@ class WorkerPool:
         Raises:
             WorkerError: a worker raised (``__cause__`` is its exception).
             WorkerCrashedError: a worker died more than ``max_restarts`` times.
+            UsageError: a newer ``run`` started while this one was suspended.
         """
         if self._closed:
             raise WorkerError("the worker pool is closed; create a new loader")
         self._gen.value += 1
         generation = self._gen.value
         W = len(self._workers)
-        assigned = [list(steps[i::W]) for i in range(W)]
-        for w, mine in zip(self._workers, assigned):
+        todos = [_Todo(steps[i::W]) for i in range(W)]
+        for w, todo in zip(self._workers, todos):
             self._drop_early(w)
             self._want[w.index] = -1
+            if w.partial:  # the worker is reading that command: finish it, drop the rest
+                while len(w.outbox) > 1:
+                    w.outbox.pop()
+            else:  # never started: the worker need not see a stale command at all
+                w.outbox.clear()
             if w.proc.exitcode is not None:  # died while idle
-                self._restart(w, generation, spec, mine)
-                continue
-            try:
-                w.conn.send((Cmd.EPOCH, generation, spec, mine))
-            except OSError:  # its end is gone: it is dying
-                self._restart(w, generation, spec, mine)
-        done = [0] * W
+                self._restart(w, generation, spec, todo)
+            elif not self._post(w, (Cmd.EPOCH, generation, spec, todo.runs())):
+                self._restart(w, generation, spec, todo)  # its end is gone: it is dying
         for k, step in enumerate(steps):
-            w = self._workers[k % W]
-            ring, msg = self._next(w, generation, spec, assigned[k % W][done[k % W]:])
-            done[k % W] += 1
+            w, todo = self._workers[k % W], todos[k % W]
+            ring, msg = self._next(w, generation, spec, todo)
+            todo.pop()
             yield step, ring, msg
+
+    def _post(self, w: _Worker, cmd: tuple[Any, ...]) -> bool:
+        """Queue ``cmd`` for ``w`` and write what its control pipe takes now, without blocking
+        (see *Protocol*).  False if the worker's end is gone."""
+        w.outbox.append(_frame(cmd))
+        return self._flush(w)
+
+    def _flush(self, w: _Worker) -> bool:
+        while w.outbox:
+            try:
+                if w.ctl is None:  # its restart failed half-way
+                    raise BrokenPipeError
+                n = os.write(w.ctl, w.outbox[0])
+            except BlockingIOError:  # full: the worker is not reading now
+                return True
+            except OSError:  # EPIPE: it exited (a restart follows when main waits on it)
+                w.outbox.clear()
+                w.partial = False
+                return False
+            if n < len(w.outbox[0]):
+                w.outbox[0] = w.outbox[0][n:]
+                w.partial = True
+            else:
+                w.outbox.popleft()
+                w.partial = False
+        return True
 
     def _drop_early(self, w: _Worker) -> None:
         for ring, msg in w.early.values():
@@ -455,12 +609,17 @@ class WorkerPool:
         if ring is not None:
             ring.release(msg)
 
-    def _next(self, w: _Worker, generation: int, spec: Any, todo: list[int]
+    def _next(self, w: _Worker, generation: int, spec: Any, todo: _Todo
               ) -> tuple[Ring | None, Any]:
-        want = todo[0]
+        want = todo.first()
+        self._check_current(generation)  # before touching `want` or `early`: not ours any more
         self._want[w.index] = want
         try:
             while True:
+                self._check_current(generation)
+                for x in self._workers:
+                    if x.outbox:
+                        self._flush(x)
                 got = w.early.pop(want, None)
                 if got is None:
                     got = self._receive(w)
@@ -495,12 +654,21 @@ class WorkerPool:
         finally:
             self._want[w.index] = -1
 
+    def _check_current(self, generation: int) -> None:
+        if self._closed:
+            raise WorkerError("the worker pool is closed; create a new loader")
+        if self._gen.value != generation:
+            # Its batches are dropped as stale and the workers have moved on: it would wait
+            # forever (and discard the newer iterator's batches while at it).
+            raise UsageError("this iterator was superseded by a newer iter(loader) (each one "
+                             "starts a new epoch on the same workers); iterate one at a time")
+
     def _stuck_starting(self, w: _Worker) -> bool:
         """``w`` has not reached its own code ``start_timeout`` seconds after its fork."""
         return (self._started[w.index] != w.proc.pid
                 and time.monotonic() - w.spawned > self.options.start_timeout)
 
-    def _restart(self, w: _Worker, generation: int, spec: Any, todo: list[int],
+    def _restart(self, w: _Worker, generation: int, spec: Any, todo: _Todo,
                  reason: str | None = None) -> None:
         code = w.proc.exitcode
         if code is None:  # alive but unreachable: make sure it is gone before replacing it
@@ -538,13 +706,15 @@ class WorkerPool:
                 w.early[step] = got
             else:
                 self._discard(ring, msg)
-        redo = [s for s in todo if s not in w.early]
-        w.conn.close()
+        redo = _runs(s for s in todo if s not in w.early)  # a suffix of todo: one run, mostly
+        if w.ctl is not None:
+            os.close(w.ctl)
+            w.ctl = None
         w.data.close()
         w.proc.join(0)
         w.ring.reset_producer()
         self._spawn(w)
-        w.conn.send((Cmd.EPOCH, generation, spec, redo))
+        self._post(w, (Cmd.EPOCH, generation, spec, redo))  # failing, it is noticed like a death
 
     def close(self) -> None:
         """Stop workers (join → terminate → kill, bounded) and release the rings."""
@@ -553,10 +723,11 @@ class WorkerPool:
         self._closed = True
         self._gen.value += 1
         for w in self._workers:
-            try:
-                w.conn.send((Cmd.STOP,))
-            except (OSError, AttributeError):
-                pass
+            if w.ctl is not None:
+                self._post(w, (Cmd.STOP,))
+                # A worker that did not get STOP (its pipe full) reads EOF after what it got.
+                os.close(w.ctl)
+                w.ctl = None
             w.ring.close()
             if w.data is not None:
                 w.data.close()  # a worker blocked on a spill send gets EPIPE
@@ -573,9 +744,8 @@ class WorkerPool:
                 w.proc.join(1.0)
         for w in self._workers:
             w.early.clear()
+            w.outbox.clear()
             w.ring.unlink()
-            if w.conn is not None:
-                w.conn.close()
 
     def __del__(self) -> None:
         if threading is not None and not getattr(self, "_closed", True):

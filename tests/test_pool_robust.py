@@ -1,0 +1,366 @@
+"""``WorkerPool`` never hangs on its own control traffic, and generations and threads behave.
+
+Checked against DESIGN.md §3 "Concurrency" ("never a hang") and the protocol in
+``shardio/pool.py`` (*Protocol*, *Stuck start*, *Generations*, *Failure handling*):
+
+* starting an epoch never blocks main, however long the epoch (a 60,000-step epoch, or a step
+  list with no arithmetic runs at all), while a worker is blocked on its spill pipe or stuck
+  inside ``fork``: only main can unblock either;
+* an iterator superseded by a newer one raises ``UsageError`` instead of waiting forever, and
+  leaves the newer one intact;
+* workers forked by a thread that then exits live on (``PR_SET_PDEATHSIG`` fires on the forking
+  *thread*), and still go away when main dies.
+
+Every test has a deadline: pytest-timeout dumps every thread's stack when it hits it, and the
+tests that could block main inside a system call also run under :func:`deadline`, which dumps
+the stacks and kills the pool's workers (that unblocks main) so the test fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+import shardio.pool
+from shardio import ShardDataset, ShardLoader
+from shardio._tree import plan_tree, read_tree
+from shardio.errors import UsageError
+from shardio.pool import PoolOptions, WorkerPool
+from tests.test_dataset import pack_text
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = Path(__file__).resolve().parent.parent
+SHM = Path("/dev/shm")
+RING = 1 << 20
+BIG = 2 << 20  # larger than RING: always goes through the spill pipe
+FAST = {"poll_interval": 0.05}
+
+
+# --- helpers ---------------------------------------------------------------------------------
+def live_children() -> list[int]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Pids still alive (not zombies) after waiting up to ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > end:
+            return alive
+        time.sleep(0.05)
+
+
+def our_rings() -> set[str]:
+    pat = re.compile(rf"shardio-{os.getpid()}-[0-9a-f]{{16}}")
+    return {n for n in os.listdir(SHM) if pat.fullmatch(n)}
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers() -> Iterator[None]:
+    """No ring file in /dev/shm and no live worker process survives a test."""
+    rings, procs = our_rings(), set(live_children())
+    yield
+    assert our_rings() - rings == set(), "shared memory left behind in /dev/shm"
+    assert wait_gone([p for p in live_children() if p not in procs], 5.0) == [], \
+        "worker processes left alive"
+
+
+@contextmanager
+def deadline(seconds: float, pool: WorkerPool) -> Iterator[None]:
+    """Fail (not hang) if the block takes over ``seconds``: dump every thread's stack and
+    SIGKILL the pool's workers, which unblocks a main stuck on one of their pipes."""
+    done, expired = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        expired.set()
+        print(f"--- deadline of {seconds} s hit; stacks:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        for pid in pool.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+    assert not expired.is_set(), f"blocked for over {seconds} s (a hang)"
+
+
+class BigStepJob:
+    """Batches of 64 bytes filled with ``step % 256``; step ``big`` is larger than the ring."""
+
+    def __init__(self, big: int) -> None:
+        self.big = big
+
+    def begin(self, spec: Any) -> None:
+        pass
+
+    def produce(self, step: int) -> tuple[Any, list[float]]:
+        n = BIG if step == self.big else 64
+        return plan_tree({"x": np.full(n, step % 256, np.uint8)}), [0.0] * 6
+
+
+def value(ring: Any, msg: Any) -> tuple[int, int]:
+    """(length, fill byte) of a message of :class:`BigStepJob`; releases it."""
+    x = read_tree(np.frombuffer(msg.view, np.uint8))["x"]
+    out = (len(x), int(x[0]))
+    del x
+    if ring is not None:
+        ring.release(msg)
+    return out
+
+
+@pytest.fixture
+def make_pool() -> Iterator[Callable[..., WorkerPool]]:
+    made: list[WorkerPool] = []
+
+    def make(job: Any, **options: Any) -> WorkerPool:
+        options = {"num_workers": 1, "ring_bytes": RING, **FAST, **options}
+        pool = WorkerPool(job, PoolOptions(**options))
+        made.append(pool)
+        pool.start()
+        return pool
+
+    yield make
+    for pool in made:
+        pool.close()
+
+
+def wait_blocked_in_spill(pool: WorkerPool, index: int = 0) -> None:
+    """Until worker ``index`` has begun its send of a message larger than the ring (it then
+    blocks in it until main reads: the pipe holds 64 KiB)."""
+    assert pool._workers[index].data.poll(10), "the worker never began its spill"
+
+
+def abandon_while_spilling(pool: WorkerPool, steps: Any) -> None:
+    """Take the first batch of an epoch whose second batch is larger than the ring, then break
+    out: the worker is left blocked sending that batch through its spill pipe."""
+    it = pool.run({}, steps)
+    _step, ring, msg = next(it)
+    value(ring, msg)
+    it.close()
+    wait_blocked_in_spill(pool)
+
+
+# --- A: an epoch command never blocks main ---------------------------------------------------
+def test_long_epoch_starts_while_the_worker_is_blocked_in_a_spill(
+        make_pool: Callable[..., WorkerPool]) -> None:
+    """60,000 steps (1.9M samples at batch 32): the step list pickles to ~200 KB, over the
+    64 KiB pipe buffer; a blocking send of it waited for a worker that waited for main."""
+    steps = range(60_000)
+    pool = make_pool(BigStepJob(big=1))
+    abandon_while_spilling(pool, steps)
+    with deadline(10, pool):
+        it = pool.run({}, steps)
+        got = [(step, value(ring, msg)) for step, ring, msg in (next(it) for _ in range(3))]
+        it.close()
+    assert got == [(0, (64, 0)), (1, (BIG, 1)), (2, (64, 2))]
+    assert pool.restarts == 0
+
+
+def test_step_list_without_runs_still_never_blocks(make_pool: Callable[..., WorkerPool]) -> None:
+    """A shuffled step list has no arithmetic runs to compress: its command (~400 KB) goes out
+    in pieces while main waits, and the whole epoch still arrives, in order, exactly once."""
+    steps = list(range(30_000))
+    random.Random(7).shuffle(steps)
+    pool = make_pool(BigStepJob(big=steps[1]))
+    abandon_while_spilling(pool, steps)
+    with deadline(20, pool):
+        got = [(step, value(ring, msg)) for step, ring, msg in pool.run({}, steps)]
+    assert [s for s, _ in got] == steps
+    assert all(v == (BIG if s == steps[1] else 64, s % 256) for s, v in got)
+    assert pool.restarts == 0
+
+
+def test_epoch_commands_stay_small() -> None:
+    """A worker's share of a long epoch, and what a restart redoes, travel in a few bytes."""
+    frame, todo_of = shardio.pool._frame, shardio.pool._Todo
+    share = todo_of(range(1_000_000)[3::8])
+    assert len(frame((shardio.pool.Cmd.EPOCH, 1, {}, share.runs()))) < 200
+    for _ in range(5000):
+        share.pop()
+    redo = shardio.pool._runs(s for s in share if s % 7)  # gaps: a run per gap
+    assert list(shardio.pool._runs(iter(list(share)))[0]) == list(share)
+    assert [s for r in redo for s in r] == [s for s in share if s % 7]
+    assert shardio.pool._runs([5, 3, 1, 1, 2]) == [range(5, -1, -2), range(1, 3)]
+
+
+# --- B: the stuck-start guard is reached -----------------------------------------------------
+def test_worker_stuck_in_fork_is_replaced_in_a_long_epoch(
+        make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard runs while main waits for a batch; main used to block before that, sending the
+    long epoch's command to the worker that never reads it."""
+    real, stuck = shardio.pool._worker_main, [True]
+
+    def first_one_stuck(*args: Any) -> None:
+        if stuck[0]:
+            time.sleep(600)  # never reaches _worker_main, like a child stuck in fork
+        real(*args)
+
+    monkeypatch.setattr(shardio.pool, "_worker_main", first_one_stuck)
+    pool = make_pool(BigStepJob(big=-1), start_timeout=1.0)
+    stuck[0] = False  # its replacement starts normally
+    with deadline(10, pool):
+        it = pool.run({}, range(60_000))
+        step, ring, msg = next(it)
+        assert (step, value(ring, msg)) == (0, (64, 0))
+        it.close()
+    assert pool.restarts == 1
+
+
+# --- C: a superseded iterator ----------------------------------------------------------------
+def test_superseded_run_raises_and_leaves_the_newer_one_intact(
+        make_pool: Callable[..., WorkerPool]) -> None:
+    pool = make_pool(BigStepJob(big=-1), num_workers=2)
+    it1 = pool.run({}, range(20))
+    assert value(*next(it1)[1:]) == (64, 0)
+    it2 = pool.run({}, range(20))
+    assert next(it2)[0] == 0
+    with pytest.raises(UsageError, match="superseded by a newer iter"):
+        next(it1)
+    rest = [(step, value(ring, msg)) for step, ring, msg in it2]
+    assert rest == [(s, (64, s)) for s in range(1, 20)]
+    assert pool.restarts == 0
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pack_text(tmp_path_factory.mktemp("text"), 61, 5)
+
+
+def keys(samples: list[dict[str, Any]]) -> list[str]:
+    return [s["__key__"] for s in samples]
+
+
+def test_loader_iterator_superseded_by_a_newer_one_raises(text: Path) -> None:
+    with ShardLoader(ShardDataset(text, seed=3), 4, num_workers=2, collate_fn=keys,
+                     **FAST) as loader:
+        whole = list(loader)
+        it1 = iter(loader)
+        assert next(it1) == whole[0]
+        it2 = iter(loader)
+        first = next(it2)
+        with pytest.raises(UsageError, match="iterate one at a time"):
+            next(it1)
+        assert [first, *it2] == whole
+
+
+# --- D: workers forked by a thread -----------------------------------------------------------
+def in_a_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run by a thread that exits when it returns (a per-epoch prefetch thread)."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(20)
+    assert not t.is_alive() and out, "the thread failed or hung"
+    return out[0]
+
+
+def test_workers_outlive_the_thread_that_forked_them(text: Path) -> None:
+    """``PR_SET_PDEATHSIG`` fires when the forking thread exits: each epoch's thread used to take
+    the workers with it, until ``max_restarts`` turned that into WorkerCrashedError."""
+    with ShardLoader(ShardDataset(text, seed=3), 4, num_workers=2, collate_fn=keys,
+                     max_restarts=1, **FAST) as loader:
+        pids = None
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            assert len(in_a_thread(lambda: list(loader))) == 16
+            time.sleep(0.3)  # a SIGKILL at the thread's exit would have landed by now
+            assert loader._pool is not None
+            assert pids is None or loader._pool.pids() == pids
+            pids = loader._pool.pids()
+            assert wait_gone(pids, 0) == pids
+        assert loader.stats()["restarts"] == 0
+
+
+MAIN_DIES = textwrap.dedent("""
+    import faulthandler, os, signal, sys, threading, time
+    faulthandler.dump_traceback_later(25, exit=True)
+    sys.path.insert(0, sys.argv[1])
+    import numpy as np
+    from shardio._tree import plan_tree
+    from shardio.pool import PoolOptions, WorkerPool
+
+    class Job:
+        def begin(self, spec): pass
+        def produce(self, step):
+            return plan_tree({"x": np.zeros(200_000, np.uint8)}), [0.0] * 6
+
+    pools = []
+    def start():  # forked by a thread: no PR_SET_PDEATHSIG
+        for _ in range(2):
+            pool = WorkerPool(Job(), PoolOptions(num_workers=1, ring_bytes=1 << 20,
+                                                 poll_interval=0.05))
+            pool.start()
+            pools.append(pool)
+    t = threading.Thread(target=start)
+    t.start(); t.join()
+    idle, busy = pools
+    it = busy.run({}, range(100))
+    next(it)  # the worker fills its ring and waits for space that never comes
+    time.sleep(0.3)
+    holder = os.fork()  # holds main's ends of the control pipes: no EOF when main dies
+    if holder == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(*idle.pids(), *busy.pids(), holder, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_workers_forked_by_a_thread_exit_when_main_dies(tmp_path: Path) -> None:
+    """Without ``PR_SET_PDEATHSIG`` a worker watches its parent itself: waiting for a command
+    (another fork of main still holding the pipe, so no EOF) and waiting for ring space."""
+    script, out, err = tmp_path / "main_dies.py", tmp_path / "out", tmp_path / "err"
+    script.write_text(MAIN_DIES)
+    with out.open("w") as stdout, err.open("w") as stderr:  # files: its children keep a pipe open
+        proc = subprocess.Popen([sys.executable, str(script), str(ROOT)], stdout=stdout,
+                                stderr=stderr)
+    assert proc.wait(timeout=25) == -signal.SIGKILL, err.read_text()
+    *workers, holder = (int(x) for x in out.read_text().split())
+    alive = wait_gone(workers, 5.0)
+    for pid in (*alive, holder):  # orphans: nobody else would ever end them
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert len(workers) == 2
+    assert alive == [], "workers outlived main"
