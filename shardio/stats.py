@@ -42,28 +42,38 @@ class LoaderStats:
     _recent: deque[tuple[float, float]] = field(default_factory=deque, repr=False)
     _warned: bool = field(default=False, repr=False)
     _last_return: float | None = field(default=None, repr=False)
-    _pending_compute: float = field(default=0.0, repr=False)
 
     def begin_wait(self) -> float:
+        """The loop asks for the next batch: the step that began when the last batch was handed
+        out (the user's compute) ends now, the last step of an epoch included."""
         now = time.perf_counter()
-        compute = 0.0 if self._last_return is None else now - self._last_return
-        self._pending_compute = compute
+        if self._last_return is not None:
+            compute = now - self._last_return
+            self._last_return = None
+            self.compute_s += compute
+            if self._recent:
+                self._recent[-1] = (self._recent[-1][0], compute)
+            self._check_starved()
         return now
 
     def end_wait(self, started: float, stages: dict[str, float]) -> None:
+        """A batch is handed out: its wait ends (its compute is known at the next request)."""
         now = time.perf_counter()
         wait = now - started
-        compute = self._pending_compute
         self.steps += 1
         self.wait_s += wait
-        self.compute_s += compute
         for k, v in stages.items():
             self.stage_s[k] = self.stage_s.get(k, 0.0) + v
-        self._recent.append((wait, compute))
+        self._recent.append((wait, 0.0))
         if len(self._recent) > self.window:
             self._recent.popleft()
         self._last_return = now
-        self._check()
+        if self.log_every and self.steps % self.log_every == 0:
+            s = self.summary()
+            log.info("step %d: data wait %.1f%% of step time (wait %.3fs, compute %.3fs per step); "
+                     "worker stage seconds per batch %s", self.steps, 100 * s["wait_fraction"],
+                     s["wait_per_step_s"], s["compute_per_step_s"],
+                     {k: round(v, 4) for k, v in s["stage_per_batch_s"].items()})
 
     def begin_epoch(self) -> None:
         """A new iteration starts: time since the last batch of an earlier (possibly abandoned)
@@ -73,13 +83,8 @@ class LoaderStats:
     def epoch_end(self) -> None:
         self._last_return = None
 
-    def _check(self) -> None:
-        if self.log_every and self.steps % self.log_every == 0:
-            s = self.summary()
-            log.info("step %d: data wait %.1f%% of step time (wait %.3fs, compute %.3fs per step); "
-                     "worker stage seconds per batch %s", self.steps, 100 * s["wait_fraction"],
-                     s["wait_per_step_s"], s["compute_per_step_s"],
-                     {k: round(v, 4) for k, v in s["stage_per_batch_s"].items()})
+    def _check_starved(self) -> None:
+        """Warn once when, over a full window of steps, waiting exceeded computing."""
         if len(self._recent) == self.window and not self._warned:
             w = sum(r[0] for r in self._recent)
             c = sum(r[1] for r in self._recent)

@@ -1084,6 +1084,21 @@ def test_stats_slow_training_step(text: Path, make_loader: Callable[..., ShardLo
     assert not [r for r in caplog.records if "waited for data" in r.getMessage()]
 
 
+def test_stats_count_the_last_step_of_every_epoch(
+        text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    """Each step's compute is the time from its batch to the next request, the last step of
+    an epoch included (it was lost, and each epoch's first step counted none)."""
+    loader = make_loader(ShardDataset(text, seed=0), 16, collate_fn=keys_collate)
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for _batch in loader:  # 61 samples: 4 steps
+            time.sleep(0.05)
+    s = loader.stats()
+    assert s["steps"] == 12
+    assert 12 * 0.05 <= s["compute_s"] < 12 * 0.05 + 0.3, s
+    assert s["compute_per_step_s"] >= 0.05
+
+
 def test_stats_slow_transform_warns(text: Path, make_loader: Callable[..., ShardLoader],
                                     caplog: pytest.LogCaptureFixture) -> None:
     ds = ShardDataset(text, seed=0, transform=very_slow_transform)
