@@ -290,6 +290,7 @@ def _epochs(text: str) -> range:
 def _cmd_stage(a: argparse.Namespace) -> int:
     import numpy as np
 
+    from .errors import UsageError
     from .manifest import Manifest
     from .order import EpochOrder, NodeAffineOrder, node_schedule
     from .stage import NodeCache, Stager, StageOptions
@@ -297,9 +298,15 @@ def _cmd_stage(a: argparse.Namespace) -> int:
 
     epochs = _epochs(a.epochs)
     env = Topology.from_env()
-    world = a.world_size or env.world_size
-    local = a.ranks_per_node or env.local_world_size
+    world = a.world_size if a.world_size is not None else env.world_size
+    local = a.ranks_per_node if a.ranks_per_node is not None else env.local_world_size
     node = a.node if a.node is not None else env.node
+    if world < 1 or not 1 <= local <= world:
+        raise UsageError(f"--world-size {world} with --ranks-per-node {local}: need "
+                         "1 <= ranks per node <= world size")
+    if not 0 <= node < -(-world // local):
+        raise UsageError(f"--node {node}: a job of {world} ranks, {local} per node, has nodes "
+                         f"0..{-(-world // local) - 1}")
     options = StageOptions(cache_dir=a.cache, budget=a.budget, reserve=a.reserve,
                            bandwidth=a.bandwidth, lookahead=0)
     manifest = Manifest.load(a.dataset)

@@ -49,7 +49,8 @@ def format_description(d: dict[str, Any], listing: bool = True) -> str:
     comp = d["compression"]
     comp_text = "none" if not comp else (
         f"{comp['codec']}:{comp['level']}" + (" + dictionary" if comp.get("dictionary") else "")
-        + f" (ratio {d['compression_ratio']:.2f}x)"
+        + (f" (ratio {d['compression_ratio']:.2f}x)" if d["compression_ratio"] is not None
+           else " (ratio unknown)")
     )
     labels = d["labels"]
     lines = [

@@ -114,3 +114,17 @@ def test_stage_command_with_node_order(data: Path, tmp_path: Path, cli) -> None:
     copied = int(out.split("copied ")[1].split(" ")[0])
     assert 0 < copied <= 11
     ds._stager.stop()
+
+
+@pytest.mark.parametrize("args", [["--node", "2"], ["--node", "-1"], ["--world-size", "0"],
+                                  ["--ranks-per-node", "-1"], ["--ranks-per-node", "5"]])
+def test_stage_command_refuses_an_impossible_job(data: Path, tmp_path: Path, cli,
+                                                 args: list[str]) -> None:
+    """A prolog with a job layout that cannot exist is a usage error (exit 2), not a run
+    that stages nothing and exits 0."""
+    cache = tmp_path / "nvme"
+    cache.mkdir()
+    rc, _out, err = cli("stage", data, "--cache", cache, "--epochs", "0", "--reserve", "0",
+                        "--world-size", "4", "--ranks-per-node", "2", *args)
+    assert rc == 2 and "error:" in err, (rc, err)
+    assert not [p for p in cache.rglob("*") if p.suffix == ".tar"]

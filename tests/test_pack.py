@@ -197,6 +197,20 @@ def test_pack_verify_inspect(cli: Cli, image_tree: Path, tmp_path: Path) -> None
     assert len(names) == 32 and names[0].endswith(".cls") and names[1].endswith(".jpg")
 
 
+def test_inspect_without_pack_stats(cli: Cli, image_tree: Path, tmp_path: Path) -> None:
+    """The pack summary in a manifest is informational: without it `inspect` still prints
+    (the compression ratio as unknown) instead of a TypeError traceback."""
+    out = tmp_path / "ds"
+    rc, _, err = cli("pack", image_tree, out, "--samples-per-shard", 16, "--compress", "zstd")
+    assert rc == 0, err
+    m = Manifest.load(str(out))
+    m.stats = {}
+    m.save(str(out))
+    rc, text, err = cli("inspect", out)
+    assert rc == 0, err
+    assert "ratio unknown" in text
+
+
 def test_pack_json_summary_and_mixed_fields(cli: Cli, mixed_tree: Path, tmp_path: Path) -> None:
     out = tmp_path / "ds"
     rc, stdout, err = cli("pack", mixed_tree, out, "--samples-per-shard", 8, "--json")
