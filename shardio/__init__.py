@@ -27,6 +27,7 @@ __all__ = [
     "open_dataset",
     "pack",
     "verify_dataset",
+    "zero_copy_collate",
 ]
 
 _LAZY = {
@@ -45,6 +46,7 @@ _LAZY = {
     "open_dataset": ("shardio.reader", "open_dataset"),
     "pack": ("shardio.packer", "pack"),
     "verify_dataset": ("shardio.verify", "verify_dataset"),
+    "zero_copy_collate": ("shardio.dataset", "zero_copy_collate"),
 }
 
 

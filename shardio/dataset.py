@@ -26,7 +26,7 @@ from .order import EpochOrder, NodeAffineOrder, NodeSchedule, RankPlan, node_sch
 from .reader import DatasetReader
 from .topology import Topology
 
-__all__ = ["ShardDataset"]
+__all__ = ["ShardDataset", "zero_copy_collate"]
 
 STATE_VERSION = 1
 
@@ -462,3 +462,30 @@ def _ids_at(order: EpochOrder, positions: np.ndarray) -> np.ndarray:
     breaks = np.flatnonzero(np.diff(positions) != 1) + 1
     runs = np.split(positions, breaks)
     return np.concatenate([order.samples(int(r[0]), int(r[-1]) + 1) for r in runs])
+
+
+def zero_copy_collate(batch: list[Any]) -> Any:
+    """torch's ``default_collate`` for ``ShardDataset(zero_copy=True)`` under DataLoader: a
+    field that arrives as a read-only ``uint8`` array viewing shared memory stays a list per
+    field, as a ``bytes`` field does (``default_collate`` would try to stack them into one
+    tensor, which fails when their sizes differ); everything else is collated as
+    ``default_collate`` does.  Pass it as ``DataLoader(..., collate_fn=zero_copy_collate)``."""
+    from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+    global _ZERO_COPY_MAP
+    if _ZERO_COPY_MAP is None:
+        _ZERO_COPY_MAP = {**default_collate_fn_map, np.ndarray: _collate_arrays}
+    return collate(batch, collate_fn_map=_ZERO_COPY_MAP)
+
+
+_ZERO_COPY_MAP: dict[Any, Any] | None = None
+
+
+def _collate_arrays(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
+    from torch.utils.data._utils.collate import collate_numpy_array_fn
+
+    from .sharedbytes import is_arena_field
+
+    if any(is_arena_field(x) for x in batch):
+        return list(batch)
+    return collate_numpy_array_fn(batch, collate_fn_map=collate_fn_map)

@@ -48,7 +48,7 @@ TORCH_FREE_LAYERS = range(0, 5)
 NO_MULTIPROCESSING_LAYERS = (1, 2)
 
 # Names whose access would load torch by design (lazy attributes of ``shardio``).
-TORCH_EXPORTS = {"ShardDataset", "ShardLoader"}
+TORCH_EXPORTS = {"ShardDataset", "ShardLoader", "zero_copy_collate"}
 
 EXPECTED_ALL = [
     "DatasetReader",
@@ -67,6 +67,7 @@ EXPECTED_ALL = [
     "open_dataset",
     "pack",
     "verify_dataset",
+    "zero_copy_collate",
 ]
 
 

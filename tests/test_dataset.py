@@ -808,3 +808,27 @@ def test_pickled_copy_keeps_epoch_and_cursor(tiny: Path) -> None:
     assert (copy.epoch, copy.state_dict(batches=0)["cursor"]) == (2, 12)
     copy.set_epoch(5)
     assert ds.epoch == 2  # a pickled copy is independent
+
+
+def test_zero_copy_collate_keeps_fields_as_lists(tmp_path: Path) -> None:
+    """With zero_copy=True, fields of 4 KiB or more are uint8 arrays of different sizes, which
+    torch's default_collate tries (and fails) to stack; zero_copy_collate keeps them a list per
+    field, as default_collate does with bytes, and collates the rest as it does."""
+    src = tmp_path / "src"
+    for i in range(8):
+        d = src / f"c{i % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"s{i}.bin").write_bytes(bytes([i]) * (5000 + 100 * i))
+    shardio.pack(src, tmp_path / "ds", label_from_dir=True, samples_per_shard=4, fsync=False,
+                 progress=False)
+    ds = shardio.ShardDataset(tmp_path / "ds", zero_copy=True, shuffle=False)
+    with pytest.raises(RuntimeError):
+        next(iter(DataLoader(ds, batch_size=4, num_workers=1)))
+    batches = list(DataLoader(ds, batch_size=4, num_workers=1,
+                              collate_fn=shardio.zero_copy_collate))
+    assert len(batches) == 2
+    b = batches[0]
+    assert isinstance(b["bin"], list) and [len(x) for x in b["bin"]] == [5000, 5200, 5400, 5600]
+    assert bytes(b["bin"][1]) == bytes([2]) * 5200
+    assert b["__key__"] == ["c0/s0", "c0/s2", "c0/s4", "c0/s6"]
+    assert isinstance(b["cls"], list) and b["cls"] == [b"0"] * 4  # small fields: bytes
