@@ -42,6 +42,16 @@ def _image(data: bytes, mode: str) -> np.ndarray:
         raise MissingDependencyError("decoding images needs Pillow: pip install pillow") from exc
     with Image.open(io.BytesIO(data)) as img:
         img.draft(mode, img.size)  # lets JPEG decode straight into the target mode
+        if mode not in ("I", "F") and not mode.startswith("I;16") and (
+                img.mode.startswith("I;16") or img.mode == "I"):
+            # 16-bit images (PNG, TIFF): Pillow's convert() to an 8-bit mode clips at 255,
+            # which turns a gradient into a few levels; scale the 16 bits down instead (a
+            # 32-bit image whose values fit 8 bits is left to convert()).
+            wide = np.asarray(img)
+            top = int(wide.max()) if wide.size else 0
+            if (img.mode != "I" or top > 0xFF) and top <= 0xFFFF and int(wide.min()) >= 0:
+                narrow = (wide.astype(np.uint32) >> 8).astype(np.uint8)
+                return np.asarray(Image.fromarray(narrow, "L").convert(mode))
         return np.asarray(img.convert(mode))
 
 

@@ -832,3 +832,24 @@ def test_zero_copy_collate_keeps_fields_as_lists(tmp_path: Path) -> None:
     assert bytes(b["bin"][1]) == bytes([2]) * 5200
     assert b["__key__"] == ["c0/s0", "c0/s2", "c0/s4", "c0/s6"]
     assert isinstance(b["cls"], list) and b["cls"] == [b"0"] * 4  # small fields: bytes
+
+
+def test_sixteen_bit_images_are_scaled_not_clipped() -> None:
+    """A 16-bit PNG decodes to uint8 by its top 8 bits (Pillow's convert() clipped every value
+    above 255: a full gradient came out as 5 levels); image_mode="I" keeps the 16 bits."""
+    import io
+
+    from PIL import Image
+
+    from shardio.decode import decode_field
+
+    wide = (np.arange(1024, dtype=np.uint16).reshape(16, 64) * 64)
+    buf = io.BytesIO()
+    Image.fromarray(wide).save(buf, "PNG")
+    rgb = decode_field("png", buf.getvalue())
+    assert rgb.shape == (16, 64, 3) and rgb.dtype == np.uint8
+    assert np.array_equal(rgb[..., 0], (wide >> 8).astype(np.uint8))
+    assert decode_field("png", buf.getvalue(), image_mode="I").max() == wide.max()
+    small = io.BytesIO()
+    Image.fromarray(np.full((4, 4), 200, np.int32)).save(small, "TIFF")  # 32-bit, 8-bit values
+    assert decode_field("tif", small.getvalue()).max() == 200
