@@ -72,7 +72,7 @@ from ._atomics import load_u32 as _load_u32
 from ._atomics import load_u64 as _load_u64
 from ._atomics import store_u32 as _store_u32
 from ._atomics import store_u64 as _store_u64
-from ._fsutil import parse_size, resolve_in, tmp_name
+from ._fsutil import TMP_MARK, parse_size, resolve_in, tmp_name
 from .errors import StagingError, UsageError
 from .manifest import Manifest
 from .stageplan import INF, _split, time_key
@@ -483,15 +483,22 @@ class _Reporters:
 
     def _scan(self) -> None:
         try:
-            pids = {int(n) for n in os.listdir(self.dir) if n.isdigit()}
+            names = os.listdir(self.dir)
         except FileNotFoundError:
-            pids = set()
+            names = []
+        pids = {int(n) for n in names if n.isdigit()}
         for pid in [p for p in self.maps if p not in pids]:
             self.maps.pop(pid).close()
         now = time.monotonic()
         check = now - self._checked >= 0.5
         if check:
             self._checked = now
+            # A reader killed between writing its file and renaming it leaves the temp file.
+            for n in names:
+                head, mark, owner = n.rpartition(TMP_MARK + "-")
+                if mark and head.startswith(".") and owner.isdigit() and not _pid_alive(
+                        int(owner)):
+                    _unlink(os.path.join(self.dir, n))
         for pid in pids:
             known = pid in self.maps
             if (check or not known) and not _pid_alive(pid):

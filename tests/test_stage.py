@@ -635,8 +635,10 @@ def test_frontier_is_the_slowest_live_reader(dataset: Path, tmp_path: Path) -> N
     assert sorted(os.listdir(cache.progress_dir)) == sorted([str(os.getpid()), str(child.pid)])
     child.kill()
     join(child)
+    # As if it had died between writing a progress file and renaming it (a later epoch's).
+    Path(cache.progress_dir, f".{child.pid}.shardio-tmp-{child.pid}").write_bytes(b"x")
     assert cache.frontier() == (1, 40)  # a dead reader no longer holds the frontier back ...
-    assert os.listdir(cache.progress_dir) == [str(os.getpid())]  # ... its file is removed
+    assert os.listdir(cache.progress_dir) == [str(os.getpid())]  # ... its files are removed
     cache.report(2, 0)
     assert cache.frontier() == (2, 0)
     cache.close()
