@@ -114,7 +114,7 @@ class Manifest:
         return body
 
     def to_json(self) -> bytes:
-        return (json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n").encode()
+        return _canonical_json(self.to_dict())
 
     def save(self, directory: str) -> str:
         """Publish ``directory/manifest.json`` atomically; return its path."""
@@ -131,8 +131,8 @@ class Manifest:
 
         Raises:
             ManifestVersionError: newer format version.
-            ManifestCorruptError: missing fields or digest mismatch.
-            UnsafePathError: a shard path escapes the dataset directory.
+            ManifestCorruptError: missing fields, a value of the wrong type, or digest mismatch.
+            UnsafePathError: a shard or dictionary path escapes the dataset directory.
         """
         if not isinstance(data, dict) or data.get("format") != "shardio":
             raise ManifestCorruptError(
@@ -153,6 +153,7 @@ class Manifest:
                 "it with `shardio index` (tar) / repack"
             )
         try:
+            _check_types(data, where)
             checksum = data["checksum"]
             return cls(
                 shard_format=str(data["shard_format"]),
@@ -200,6 +201,70 @@ class Manifest:
                 f"{path} is not valid JSON ({exc}); it is damaged: restore it or repack"
             ) from exc
         return cls.from_dict(data, path, strict=strict)
+
+
+_NONE = type(None)
+_SHARD_TYPES: dict[str, tuple[type, ...]] = {
+    "path": (str,), "samples": (int,), "bytes": (int,), "digest": (str,), "index": (str, _NONE),
+    "index_digest": (str,), "stored_bytes": (int,), "raw_bytes": (int,),
+}
+_COMPRESSION_TYPES: dict[str, tuple[type, ...]] = {
+    "codec": (str, _NONE), "level": (int,), "dictionary": (str, _NONE),
+    "dictionary_digest": (str, _NONE),
+}
+_KIND_NAMES = {str: "a string", int: "a non-negative integer", dict: "an object", list: "a list",
+               _NONE: "null"}
+
+
+def _expect(where: str, name: str, value: Any, kinds: tuple[type, ...]) -> None:
+    """Refuse ``value`` unless it is one of ``kinds`` (a bool is not an int; ints are >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, kinds) or (
+            isinstance(value, int) and value < 0):
+        want = " or ".join(_KIND_NAMES[k] for k in kinds)
+        raise ManifestCorruptError(
+            f"{where}: {name} is {value!r}, not {want}; the manifest was edited or damaged: "
+            "restore it, or rebuild it with `shardio index` (tar) / repack"
+        )
+
+
+def _check_types(data: dict[str, Any], where: str) -> None:
+    """Check the JSON types of every value the model reads, so a hand-edited manifest is a
+    :class:`ManifestCorruptError` naming the field, not a TypeError wherever it is used."""
+    _expect(where, "shard_format", data["shard_format"], (str,))
+    _expect(where, "checksum", data["checksum"], (dict,))
+    for name in ("sample", "shard"):
+        _expect(where, f"checksum.{name}", data["checksum"][name], (str,))
+    _expect(where, "fields", data["fields"], (dict,))
+    for name, count in data["fields"].items():
+        _expect(where, f"fields.{name}", count, (int,))
+    _expect(where, "shards", data["shards"], (list,))
+    for i, shard in enumerate(data["shards"]):
+        _expect(where, f"shards[{i}]", shard, (dict,))
+        for name, kinds in _SHARD_TYPES.items():
+            if name in shard:
+                _expect(where, f"shards[{i}].{name}", shard[name], kinds)
+    for name in ("compression", "labels", "stats", "parity"):
+        _expect(where, name, data.get(name), (dict, _NONE))
+    for name in ("job", "created_by"):
+        _expect(where, name, data.get(name), (str, _NONE))
+    comp = data.get("compression") or {}
+    for name, kinds in _COMPRESSION_TYPES.items():
+        if name in comp:
+            _expect(where, f"compression.{name}", comp[name], kinds)
+    if comp.get("dictionary"):
+        check_relpath(comp["dictionary"])
+    labels = data.get("labels")
+    if labels is not None:
+        _expect(where, "labels.field", labels.get("field"), (str,))
+        _expect(where, "labels.names", labels.get("names"), (list,))
+        for i, name in enumerate(labels["names"]):
+            _expect(where, f"labels.names[{i}]", name, (str,))
+
+
+def _canonical_json(body: dict[str, Any]) -> bytes:
+    """The bytes of ``manifest.json`` holding ``body``, exactly as :meth:`Manifest.save` writes
+    them (``shardio verify`` compares the file with them to catch a cut that keeps valid JSON)."""
+    return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
 
 def _body_digest(body: dict[str, Any]) -> str:

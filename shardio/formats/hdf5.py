@@ -45,6 +45,7 @@ from ..errors import (
     IndexCorruptError,
     ManifestVersionError,
     MissingDependencyError,
+    ShardioError,
     ShardNotFoundError,
 )
 from .base import _ARRAYS, IndexBuilder, ShardIndex, ShardWriter, WrittenShard
@@ -261,7 +262,9 @@ def load_hdf5_index(path: str) -> ShardIndex:
                 raise TypeError("shardio_meta is not a JSON object")
             checksum = _text(f.attrs["checksum"])
             stored_digest = f.attrs.get("index_digest")
-    except (OSError, KeyError, ValueError, TypeError) as exc:
+    except ShardioError:
+        raise
+    except Exception as exc:  # h5py raises anything on damaged metadata (AttributeError, ...)
         raise IndexCorruptError(
             f"cannot read the index of HDF5 shard {path} ({exc}); the file is damaged: restore it "
             "from a good copy or repack"

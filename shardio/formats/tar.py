@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 from .._fsutil import tmp_name, translate_oserror
 from ..checksum import digest_bytes, new_digest, sample_checksum_fn
 from ..codec import FLAG_ZSTD, Codec
-from ..errors import NotATarError, ShardIOError, ShardNotFoundError, ShardTruncatedError
+from ..errors import (
+    NonUtf8NameError,
+    NotATarError,
+    ShardIOError,
+    ShardNotFoundError,
+    ShardTruncatedError,
+)
 from .base import IndexBuilder, ShardIndex, ShardWriter, WrittenShard
 
 if TYPE_CHECKING:
@@ -353,7 +359,9 @@ def _members(path: str) -> Iterator[tarfile.TarInfo]:
     import tarfile
 
     try:
-        with tarfile.open(path, "r:") as tf:
+        # Names decode as UTF-8 whatever the locale; bytes that are not UTF-8 become surrogates,
+        # which index_tar reports (_utf8_name).
+        with tarfile.open(path, "r:", encoding="utf-8", errors="surrogateescape") as tf:
             yield from tf
     except tarfile.ReadError as exc:
         raise NotATarError(
@@ -364,6 +372,19 @@ def _members(path: str) -> Iterator[tarfile.TarInfo]:
         raise translate_oserror(exc, path, "reading") from exc
 
 
+def _utf8_name(path: str, name: str) -> None:
+    """Refuse a member name that is not valid UTF-8: sample keys and field names are UTF-8."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = name.encode("utf-8", "surrogateescape")
+        raise NonUtf8NameError(
+            f"{path}: member {raw!r} is not valid UTF-8 and cannot become a sample key; "
+            "recreate the tar with UTF-8 names (extract it, rename the files, e.g. "
+            "`convmv -f latin1 -t utf8 -r --notest DIR`, and pack DIR with `shardio pack` or tar)"
+        ) from None
+
+
 def index_tar(path: str, checksum: str) -> tuple[ShardIndex, dict[str, int]]:
     """Build the index of an existing tar (e.g. written by webdataset) without rewriting it.
 
@@ -372,6 +393,11 @@ def index_tar(path: str, checksum: str) -> tuple[ShardIndex, dict[str, int]]:
 
     Returns:
         The index and per-field member counts.
+
+    Raises:
+        NotATarError: not an uncompressed tar.
+        NonUtf8NameError: a member name is not valid UTF-8.
+        ShardTruncatedError: a member ends past the end of the file.
     """
     check = sample_checksum_fn(checksum)
     builder = IndexBuilder(checksum)
@@ -388,6 +414,7 @@ def index_tar(path: str, checksum: str) -> tuple[ShardIndex, dict[str, int]]:
             parts = split_member_name(m.name)
             if parts is None:
                 continue
+            _utf8_name(path, m.name)
             key, field = parts
             if key != last_key:
                 builder.add_sample(key)

@@ -1,0 +1,331 @@
+"""``shardio verify`` and ``shardio index`` on damage the format tests do not reach: hand-edited
+manifest values of the wrong type, a manifest cut by its final newline, parity files, HDF5
+metadata whose damage crashes or hangs the HDF5 library, and tar member names that are not UTF-8.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardio
+from shardio.errors import IndexCorruptError, ManifestCorruptError, NonUtf8NameError
+from shardio.indexer import index_tars
+from tests.conftest import flip_bit, truncate
+from tests.test_formats import pack_into, rewrite_manifest
+
+CLI = Callable[..., tuple[int, str, str]]
+REPO = Path(__file__).resolve().parents[1]
+EDITED = "manifest.json: manifest edited or damaged (its digest does not match its content)"
+
+
+def run_verify(cli: CLI, root: Path, workers: int = 1) -> tuple[int, list[str]]:
+    """``shardio verify`` in-process; the output must be one line per problem."""
+    rc, out, err = cli("verify", root, "--workers", workers)
+    lines = out.splitlines()
+    assert rc == (1 if lines else 0), err
+    assert err.strip() == (f"{len(lines)} problem(s) found" if lines else "ok")
+    return rc, lines
+
+
+def verify_subprocess(root: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``shardio verify`` in a child, for damage that could crash or hang the process."""
+    return subprocess.run([sys.executable, "-m", "shardio", "verify", str(root), "--workers", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture
+def small_tree(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        (src / f"s{i}.txt").write_text(f"abc{i} " * (10 + i))
+    return src
+
+
+# --- defect: `shardio index` on a tar whose member names are not UTF-8 --------------------------
+
+def latin1_tar(path: Path) -> None:
+    """A tar as GNU tar writes it from latin-1 file names (ustar, raw bytes)."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT, encoding="latin-1") as tf:
+        for name, data in (("README", b"no extension: skipped, like WebDataset does"),
+                           ("caf\xe9-readme", b"skipped too, whatever its name"),
+                           ("a.txt", b"hello"), ("caf\xe9.txt", b"world")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_index_of_a_tar_with_a_non_utf8_member_is_a_typed_error(workers: int,
+                                                                 tmp_path: Path) -> None:
+    tar = tmp_path / "wds-000000.tar"
+    latin1_tar(tar)
+    other = tmp_path / "wds-000001.tar"
+    with tarfile.open(other, "w", format=tarfile.USTAR_FORMAT) as tf:
+        info = tarfile.TarInfo("b.txt")
+        tf.addfile(info, io.BytesIO(b""))
+    with pytest.raises(NonUtf8NameError) as ei:
+        index_tars([tar, other], workers=workers)
+    assert isinstance(ei.value, UnicodeError)
+    msg = str(ei.value)
+    assert str(tar) in msg and repr(b"caf\xe9.txt") in msg and "UTF-8" in msg and "convmv" in msg
+    assert not (tmp_path / "manifest.json").exists()
+    assert not (tmp_path / "wds-000000.tar.idx").exists()
+
+
+def test_index_cli_reports_the_non_utf8_member(cli: CLI, tmp_path: Path) -> None:
+    tar = tmp_path / "wds-000000.tar"
+    latin1_tar(tar)
+    rc, out, err = cli("index", tar)
+    assert rc == 1 and out == ""
+    assert err.startswith("shardio index: NonUtf8NameError: ") and "caf\\xe9.txt" in err
+    assert "Traceback" not in err
+
+
+# --- defect: hand-edited manifest values of the wrong type ---------------------------------------
+
+EDITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "compression_string": (lambda d: d.update(compression="zstd"), "compression"),
+    "bytes_string": (lambda d: d["shards"][0].update(bytes="1"), "shards[0].bytes"),
+    "samples_bool": (lambda d: d["shards"][1].update(samples=True), "shards[1].samples"),
+    "negative_bytes": (lambda d: d["shards"][0].update(bytes=-5), "shards[0].bytes"),
+    "digest_number": (lambda d: d["shards"][2].update(digest=7), "shards[2].digest"),
+    "dictionary_number": (lambda d: d.update(compression={"dictionary": 7}),
+                          "compression.dictionary"),
+    "level_string": (lambda d: d.update(compression={"codec": "zstd", "level": "3"}),
+                     "compression.level"),
+    "fields_string": (lambda d: d["fields"].update(txt="6"), "fields.txt"),
+    "labels_names": (lambda d: d.update(labels={"field": "cls", "names": [1, 2]}),
+                     "labels.names[0]"),
+    "shards_object": (lambda d: d.update(shards={"0": {}}), "shards"),
+    "parity_list": (lambda d: d.update(parity=[1]), "parity"),
+    "job_number": (lambda d: d.update(job=12), "job"),
+}
+
+
+@pytest.mark.parametrize("redigest", [False, True], ids=["edited", "forged_digest"])
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_manifest_value_of_the_wrong_type(edit: str, redigest: bool, cli: CLI,
+                                          small_tree: Path, tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    pack_into(small_tree, ds, "tar", samples_per_shard=2)
+    change, field = EDITS[edit]
+    rewrite_manifest(ds, change, redigest=redigest)
+    rc, lines = run_verify(cli, ds)
+    assert rc == 1
+    unusable = [line for line in lines if line.startswith("manifest.json: unusable manifest: ")]
+    assert len(unusable) == 1 and f": {field} is " in unusable[0], lines
+    if redigest:
+        assert lines == unusable
+    else:
+        assert lines[0].startswith(EDITED + " expected=") and lines[1:] == unusable
+    with pytest.raises(ManifestCorruptError, match=r"digest" if not redigest else field.replace(
+            "[", r"\[").replace("]", r"\]") + " is "):
+        shardio.Manifest.load(ds)
+    with pytest.raises(ManifestCorruptError, match=r"edited or damaged"):
+        shardio.Manifest.load(ds, strict=False)
+
+
+def test_manifest_dictionary_path_outside_the_dataset(cli: CLI, small_tree: Path,
+                                                      tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    pack_into(small_tree, ds, "tar", samples_per_shard=2)
+    rewrite_manifest(ds, lambda d: d.update(compression={"codec": "zstd", "level": 3,
+                                                         "dictionary": "../zstd.dict",
+                                                         "dictionary_digest": "0"}),
+                     redigest=True)
+    rc, lines = run_verify(cli, ds)
+    assert rc == 1 and len(lines) == 1
+    assert lines[0].startswith("manifest.json: unusable manifest: ") and "'..'" in lines[0]
+
+
+# --- defect: a damaged HDF5 shard crashes, hangs or breaks verify --------------------------------
+
+# One flipped bit in the HDF5 metadata of shard-000000.h5 packed from ``small_tree``: offsets and
+# what plain h5py does on them (found by sweeping every bit of this deterministic shard).
+HDF5_FLIPS = {"segfault": (1257, 3), "hang": (2073, 0), "attribute_error": (1320, 0)}
+
+
+@pytest.fixture
+def h5_ds(small_tree: Path, tmp_path: Path) -> Path:
+    ds = tmp_path / "h5"
+    pack_into(small_tree, ds, "hdf5", samples_per_shard=3)
+    return ds
+
+
+@pytest.mark.parametrize("case", sorted(HDF5_FLIPS))
+def test_damaged_hdf5_metadata_is_reported_not_a_crash(case: str, h5_ds: Path) -> None:
+    offset, bit = HDF5_FLIPS[case]
+    shard = h5_ds / "shard-000000.h5"
+    digest = shardio.Manifest.load(h5_ds).shards[0].digest
+    flip_bit(shard, offset, bit)
+    done = verify_subprocess(h5_ds)
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr[-2000:])
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"shard-000000.h5: shard digest mismatch expected={digest} ")
+    assert all(line.startswith("shard-000000.h5: ") for line in lines), lines
+    assert done.stderr.strip().endswith(f"{len(lines)} problem(s) found")
+    assert "Traceback" not in done.stderr
+
+
+def test_load_hdf5_index_turns_any_h5py_error_into_index_corruption(h5_ds: Path) -> None:
+    shard = h5_ds / "shard-000000.h5"
+    flip_bit(shard, *HDF5_FLIPS["attribute_error"])
+    code = ("import sys\n"
+            "from shardio.errors import IndexCorruptError\n"
+            "from shardio.formats.hdf5 import load_hdf5_index\n"
+            "try:\n"
+            "    load_hdf5_index(sys.argv[1])\n"
+            "except IndexCorruptError as exc:\n"
+            "    print('IndexCorruptError', exc)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(shard)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"IndexCorruptError cannot read the index of HDF5 shard {shard}")
+    assert "restore it" in done.stdout
+
+
+def test_isolated_index_load(h5_ds: Path) -> None:
+    from shardio.verify import _load_index_isolated
+
+    shard = str(h5_ds / "shard-000000.h5")
+    with shardio.open_dataset(h5_ds) as reader:
+        sound = reader.shard_index(0)
+    index = _load_index_isolated("hdf5", shard)
+    assert not isinstance(index, str) and index.keys() == sound.keys()
+    flip_bit(shard, *HDF5_FLIPS["hang"])
+    why = _load_index_isolated("hdf5", shard, timeout=3)
+    assert isinstance(why, str) and "did not finish within 3 s" in why and shard in why
+    flip_bit(shard, *HDF5_FLIPS["hang"])
+    flip_bit(shard, *HDF5_FLIPS["segfault"])
+    why = _load_index_isolated("hdf5", shard)
+    assert isinstance(why, str) and "crashed (SIGSEGV)" in why
+
+
+def test_damaged_hdf5_payload_is_still_located_by_key(h5_ds: Path, cli: CLI) -> None:
+    """Parsing in a child keeps verify's per-field findings for a damaged shard."""
+    with shardio.open_dataset(h5_ds) as reader:
+        index = reader.shard_index(1)
+        key, off = index.key(2), int(index.f_offset[int(index.sample_start[2])])
+    flip_bit(h5_ds / "shard-000001.h5", off, 2)
+    rc, lines = run_verify(cli, h5_ds)
+    assert rc == 1 and len(lines) == 2
+    assert lines[0].startswith("shard-000001.h5: shard digest mismatch expected=")
+    assert lines[1].startswith(f"shard-000001.h5: checksum mismatch key={key!r} ")
+
+
+# --- defect: verify ignored parity files ---------------------------------------------------------
+
+@pytest.fixture
+def parity_ds(tmp_path: Path) -> Path:
+    pytest.importorskip("zfec")
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"s{i}.bin").write_bytes(bytes([i]) * (1000 + 500 * i))
+    ds = tmp_path / "par"
+    pack_into(src, ds, "tar", samples_per_shard=2, parity="2+1")
+    assert sorted(os.listdir(ds / "parity")) == ["g000000.p0", "g000001.p0"]
+    return ds
+
+
+def parity_entry(ds: Path, rel: str) -> tuple[int, str]:
+    for group in shardio.Manifest.load(ds).parity["groups"]:
+        for f, digest, size in zip(group["files"], group["digests"], group["bytes"]):
+            if f == rel:
+                return size, digest
+    raise AssertionError(rel)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "grow", "extra"])
+def test_verify_checks_parity_files(damage: str, workers: int, cli: CLI, parity_ds: Path) -> None:
+    assert run_verify(cli, parity_ds, workers) == (0, [])
+    rel = "parity/g000001.p0"
+    path = parity_ds / rel
+    size, digest = parity_entry(parity_ds, rel)
+    if damage == "flip":
+        flip_bit(path, size // 2, 4)
+    elif damage == "truncate":
+        truncate(path, size - 1)
+    elif damage == "delete":
+        path.unlink()
+    elif damage == "grow":
+        with open(path, "ab") as f:
+            f.write(b"\0")
+    else:
+        shutil.copy(path, parity_ds / "parity" / "g000002.p0")
+    rc, lines = run_verify(cli, parity_ds, workers)
+    assert rc == 1
+    if damage == "delete":
+        assert lines == [f"{rel}: missing parity file (listed in the manifest, not on disk)"]
+    elif damage == "extra":
+        assert lines == ["parity/g000002.p0: extra parity file not listed in the manifest"]
+    else:
+        assert lines[-1].startswith(f"{rel}: parity digest mismatch expected={digest} found=")
+        if damage != "flip":
+            what = "truncated" if damage == "truncate" else "size differs"
+            new = size - 1 if damage == "truncate" else size + 1
+            assert lines[:-1] == [f"{rel}: {what} expected={size} bytes found={new} bytes"]
+        else:
+            assert len(lines) == 1
+    assert [str(p) for p in shardio.verify_dataset(parity_ds, workers=workers)] == lines
+
+
+def test_malformed_parity_section_is_a_problem(cli: CLI, parity_ds: Path) -> None:
+    rewrite_manifest(parity_ds, lambda d: d["parity"]["groups"][0].pop("digests"), redigest=True)
+    rc, lines = run_verify(cli, parity_ds)
+    assert rc == 1 and len(lines) == 1
+    assert lines[0].startswith("manifest.json: malformed parity section (KeyError('digests')")
+
+
+# --- defect: a manifest cut by its final newline ------------------------------------------------
+
+@pytest.mark.parametrize("change", ["cut_newline", "reformatted", "trailing_space"])
+def test_manifest_must_be_byte_for_byte_what_shardio_wrote(change: str, cli: CLI,
+                                                            small_tree: Path,
+                                                            tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    manifest = pack_into(small_tree, ds, "tar", samples_per_shard=2)
+    path = ds / "manifest.json"
+    raw = path.read_bytes()
+    assert raw == manifest.to_json() and raw.endswith(b"}\n")
+    if change == "cut_newline":
+        path.write_bytes(raw[:-1])
+    elif change == "reformatted":
+        path.write_text(json.dumps(json.loads(raw), indent=2, sort_keys=True) + "\n")
+    else:
+        path.write_bytes(raw + b" ")
+    assert shardio.Manifest.load(ds).to_json() == raw  # the content itself is intact
+    rc, lines = run_verify(cli, ds)
+    assert rc == 1
+    assert lines == [("manifest.json: manifest file is not byte for byte what shardio wrote "
+                      "(cut or reformatted; its content is intact): restore it from a good copy")]
+    path.write_bytes(raw)
+    assert run_verify(cli, ds) == (0, [])
+
+
+def test_isolated_load_reports_the_childs_index_error(h5_ds: Path) -> None:
+    """An index error raised in the child comes back as its message."""
+    import h5py
+
+    from shardio.verify import _load_index_isolated
+
+    shard = h5_ds / "shard-000000.h5"
+    with h5py.File(shard, "r+") as f:
+        f.attrs["checksum"] = "crc32"  # fails index_digest
+    why = _load_index_isolated("hdf5", str(shard))
+    assert isinstance(why, str) and "index_digest mismatch" in why
+    with pytest.raises(IndexCorruptError, match="index_digest mismatch"):
+        shardio.formats.load_index("hdf5", str(shard))
