@@ -227,8 +227,13 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     for p in problems:
         print(p)
     if problems and a.repair:
-        return _repair(a.dataset, a.replica, True, False,
-                       damaged=_damaged_shards(a.dataset, problems))
+        damaged, others = _damaged_shards(a.dataset, problems)
+        rc = _repair(a.dataset, a.replica, True, False, damaged=damaged)
+        if others:  # the manifest, parity files, extra files: not shards repair can restore
+            print(f"{len(others)} problem(s) that repair does not fix (listed above)",
+                  file=sys.stderr)
+            return 1
+        return rc
     if problems:
         print(f"{len(problems)} problem(s) found", file=sys.stderr)
         return 1
@@ -236,7 +241,8 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     return 0
 
 
-def _damaged_shards(root: str, problems: list) -> list[int]:
+def _damaged_shards(root: str, problems: list) -> tuple[list[int], list]:
+    """The shards the problems name (repair restores them), and the other problems."""
     from .manifest import Manifest
 
     m = Manifest.load(root)
@@ -245,7 +251,8 @@ def _damaged_shards(root: str, problems: list) -> list[int]:
         by_path[e.path] = i
         if e.index:
             by_path[e.index] = i
-    return sorted({by_path[p.path] for p in problems if p.path in by_path})
+    return (sorted({by_path[p.path] for p in problems if p.path in by_path}),
+            [p for p in problems if p.path not in by_path])
 
 
 def _repair(root: str, replicas: list[str], parity: bool, as_json: bool,

@@ -30,7 +30,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._fsutil import atomic_write_bytes, check_relpath
+from ._fsutil import atomic_write_bytes, check_relpath, translate_oserror
 from .checksum import DEFAULT_DIGEST, DEFAULT_SAMPLE, digest_bytes
 from .errors import (
     ManifestCorruptError,
@@ -194,6 +194,13 @@ class Manifest:
             ) from exc
         except IsADirectoryError as exc:
             raise ManifestNotFoundError(f"{path} is a directory, not a manifest") from exc
+        except NotADirectoryError as exc:
+            raise ManifestNotFoundError(
+                f"{directory} is a file, not a dataset directory; pass the directory that holds "
+                f"{MANIFEST_NAME}"
+            ) from exc
+        except OSError as exc:
+            raise translate_oserror(exc, path, "reading the manifest") from exc
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

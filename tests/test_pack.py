@@ -197,6 +197,16 @@ def test_pack_verify_inspect(cli: Cli, image_tree: Path, tmp_path: Path) -> None
     assert len(names) == 32 and names[0].endswith(".cls") and names[1].endswith(".jpg")
 
 
+@pytest.mark.parametrize("command", [["inspect"], ["verify"], ["bench", "loader"]])
+def test_a_file_given_as_the_dataset_is_a_typed_error(cli: Cli, tmp_path: Path,
+                                                      command: list[str]) -> None:
+    stray = tmp_path / "notadir"
+    stray.write_text("x")
+    rc, _, err = cli(*command, stray)
+    assert rc in (1, 2) and "Traceback" not in err, err
+    assert "not a" in err and "directory" in err
+
+
 def test_inspect_without_pack_stats(cli: Cli, image_tree: Path, tmp_path: Path) -> None:
     """The pack summary in a manifest is informational: without it `inspect` still prints
     (the compression ratio as unknown) instead of a TypeError traceback."""

@@ -319,6 +319,19 @@ def test_verify_repair_uses_parity(image_tree: Path, tmp_path: Path, cli) -> Non
     assert verify_dataset(str(root)) == []
 
 
+def test_verify_repair_exits_1_on_problems_it_does_not_fix(data, cli) -> None:
+    """verify --repair restores damaged shards, but a problem outside them (here an extra
+    shard file) still fails the command (it exited 0 once the shards were repaired)."""
+    root, replica, _clean = data
+    corrupt_dataset(str(root), [2], "flip", seed=1)
+    (root / "shard-000099.tar").write_bytes(b"stray")
+    rc, out, err = cli("verify", root, "--repair", "--replica", replica)
+    assert rc == 1, out + err
+    assert "repaired shard-000002.tar from" in out and "repair does not fix" in err
+    assert [p.what for p in verify_dataset(str(root))] == [
+        "extra shard file not listed in the manifest"]
+
+
 def test_unrepairable_offline_exits_1(data, cli) -> None:
     root, _replica, _clean = data
     corrupt_dataset(str(root), [2], "delete")
