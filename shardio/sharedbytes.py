@@ -30,11 +30,19 @@ the same way.
 * Chunks are recycled, because the first write to a fresh shared page costs more than the
   read itself (allocate, zero, charge, map).  The first 64 bytes of a chunk hold three counters,
   updated with atomic adds (:mod:`shardio._atomics`) by whichever process pickles or unpickles
-  it: ``sent`` (a message naming the chunk was pickled), ``arrived`` (one was unpickled) and
-  ``live`` (unpickled copies still referenced; a finalizer gives it back).  The owning worker
-  reuses a chunk once no field or span of it is alive there (a weak reference to the *lease*
-  they hold), ``arrived >= sent`` (nothing in a pipe) and ``live == 0``.  A message pickled and
-  never unpickled only pins its chunk until the worker exits.
+  it.  Each message naming a chunk moves them in this order: ``sent`` +1 when it is pickled (by
+  a process holding a field of the chunk), ``live`` +1 when its lease is unpickled, *then*
+  ``arrived`` +1, and ``live`` -1 when that lease dies (with the last field cut from it, at once
+  if none was), in the process that counted it and no other: a forked child that inherits
+  fields inherits no count, so a finalizer it runs gives nothing back.  Hence, at any instant,
+  ``sent - arrived`` messages are in a pipe and ``live`` are held, or being unpickled, by a
+  receiver.  The owning worker reuses a chunk once no field or span of it is alive there (a
+  weak reference to the *lease* they hold), and then reads ``arrived``, ``live``, ``sent`` in
+  that order and finds ``live == 0`` and ``arrived >= sent``: every message sent before the
+  last read had arrived before the first one, so had counted ``live`` and then given it back;
+  and only a holder sends, so none was sent in between.  A message pickled and never unpickled
+  pins its chunk until the worker exits.  Fields a forked child inherited stay intact only
+  while the parent holds them too (copy them, ``bytes(x)``, to keep them longer).
 
 * Small tensors of a worker's batch (a storage of at most :data:`SMALL_TENSOR_BYTES`: labels,
   indices) travel inside the message too, rather than through torch's fresh shared-memory
@@ -88,7 +96,7 @@ class _Lease:
     The lease holds the view only weakly: the view, and with it the lease's registration, dies
     with the last field (or span) cut from it; the owner's arena then sees the chunk free of
     local users.  Pickling counts ``sent``; the lease unpickled in another process counts
-    ``arrived`` and ``live`` and gives ``live`` back when its view dies.
+    ``live`` then ``arrived``, and gives ``live`` back when it dies (see :func:`_received`).
     """
 
     __slots__ = ("__weakref__", "_readonly", "_view", "handle", "header", "tensor")
@@ -101,8 +109,10 @@ class _Lease:
         self._readonly = memoryview(array).toreadonly()
         self._view: weakref.ref[np.ndarray] | None = None
 
-    def view(self, on_release: Any = None) -> np.ndarray:
-        """The read-only array fields are sliced from (a new one once every field is gone)."""
+    def view(self) -> np.ndarray:
+        """The read-only array fields are sliced from (a new one once every field is gone).
+
+        The view holds the lease (through ``_LEASE_OF``), so a lease outlives its fields."""
         view = self._view() if self._view is not None else None
         if view is None:
             view = np.frombuffer(self._readonly, _U8)
@@ -110,8 +120,6 @@ class _Lease:
             key = id(view)
             _LEASE_OF[key] = self
             weakref.finalize(view, _LEASE_OF.pop, key, None)
-            if on_release is not None:
-                weakref.finalize(view, *on_release)
         return view
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -120,13 +128,28 @@ class _Lease:
         fetch_add_u64(self.header, _SENT, 1)
         if self.handle is not None:
             return _lease_attach, self.handle
-        return _lease_arrived, (self.tensor,)
+        return _received, (self.tensor,)
 
 
-def _lease_arrived(tensor: Any) -> _Lease:
+def _received(tensor: Any) -> _Lease:
+    """The lease of a message being unpickled here, over ``tensor`` (the chunk mapped here).
+
+    ``live`` is counted before ``arrived``: the other order would show the owner, in between,
+    a chunk with nothing in a pipe and no user, which it would fill with a later read under
+    the fields about to be cut from it.  ``live`` is given back when the lease dies, which is
+    after its last field (its view holds it), and only by this process: a forked child runs
+    inherited finalizers too, but counted nothing.
+    """
     lease = _Lease(tensor, tensor.numpy())
+    fetch_add_u64(lease.header, _LIVE, 1)
+    weakref.finalize(lease, _give_back, lease.header, os.getpid())
     fetch_add_u64(lease.header, _ARRIVED, 1)
     return lease
+
+
+def _give_back(header: np.ndarray, pid: int) -> None:
+    if os.getpid() == pid:
+        fetch_add_u64(header, _LIVE, _MINUS_ONE)
 
 
 # (pid, inode) -> the tensor mapping that memfd here, while any lease of it is alive.
@@ -164,17 +187,11 @@ def _lease_attach(pid: int, fd: int, inode: int, size: int) -> _Lease:
             os.close(nfd)
         tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
         _ATTACHED[pid, inode] = tensor
-    lease = _Lease(tensor, tensor.numpy())
-    fetch_add_u64(lease.header, _ARRIVED, 1)
-    return lease
+    return _received(tensor)
 
 
 def _rebuild(lease: _Lease, offset: int, length: int) -> np.ndarray:
-    view = lease._view() if lease._view is not None else None
-    if view is None:  # the first field of this message: the view counts as one live user
-        fetch_add_u64(lease.header, _LIVE, 1)
-        view = lease.view((fetch_add_u64, lease.header, _LIVE, _MINUS_ONE))
-    return view[offset:offset + length]
+    return lease.view()[offset:offset + length]
 
 
 def _reduce_ndarray(arr: np.ndarray) -> tuple[Any, ...]:
@@ -209,19 +226,36 @@ def _rebuild_small_tensor(data: bytes, dtype: Any, size: tuple[int, ...],
     return t.requires_grad_() if requires_grad else t
 
 
+def _tensor_by_value(t: Any) -> tuple[Any, ...] | None:
+    """``(rebuild, args)`` carrying a copy of a small plain CPU tensor, or None: not one."""
+    import torch
+
+    # A nested tensor is a plain strided CPU Tensor too, but has no sizes or strides to copy;
+    # sparse, mkldnn, meta, quantized, conj/neg-bit and shared tensors, and subclasses, go
+    # torch's way as well.
+    if (type(t) is not torch.Tensor or t.is_nested or t.device.type != "cpu"
+            or t.layout is not torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
+            or (t.requires_grad and not t.is_leaf) or t.is_shared()):
+        return None
+    st = t.untyped_storage()
+    if st.nbytes() > SMALL_TENSOR_BYTES:
+        return None
+    raw = torch.empty(0, dtype=torch.uint8).set_(st).numpy().tobytes()
+    return _rebuild_small_tensor, (raw, t.dtype, tuple(t.size()), tuple(t.stride()),
+                                   t.storage_offset(), t.requires_grad)
+
+
 def _reduce_tensor(t: Any) -> tuple[Any, ...]:
     """``ForkingPickler`` reducer of ``torch.Tensor`` inside a DataLoader worker: a small CPU
     tensor of the batch (labels, indices) is sent by value; anything else as torch sends it."""
-    import torch
-
-    if (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout is torch.strided
-            and not t.is_quantized and not t.is_conj() and not t.is_neg()
-            and (t.is_leaf or not t.requires_grad) and not t.is_shared()):
-        st = t.untyped_storage()
-        if st.nbytes() <= SMALL_TENSOR_BYTES:
-            raw = torch.empty(0, dtype=torch.uint8).set_(st).numpy().tobytes()
-            return _rebuild_small_tensor, (raw, t.dtype, tuple(t.size()), t.stride(),
-                                           t.storage_offset(), t.requires_grad)
+    # An error raised here would stop the worker queue's feeder thread and leave the training
+    # loop waiting for the batch: whatever the copy trips on, torch's reducer sends instead.
+    try:
+        by_value = _tensor_by_value(t)
+    except Exception:  # noqa: BLE001
+        by_value = None
+    if by_value is not None:
+        return by_value
     return _TORCH_REDUCE[0](t)  # type: ignore[no-any-return]
 
 
@@ -234,10 +268,11 @@ def _send_small_tensors_by_value() -> None:
     value, 0.207 s with a plain list of labels).  A storage of at most
     :data:`SMALL_TENSOR_BYTES` is copied into the message instead, with its dtype, size,
     stride, offset and ``requires_grad``.  Tensors already in shared memory, larger ones,
-    subclasses (``Parameter``) and non-CPU tensors keep torch's path.  Only worker processes
-    register this, and only their batches go through it: nothing reads a worker's copy after
-    it is sent, so no caller can tell that the storage was not shared, except that two small
-    tensors of one batch viewing one storage arrive as two copies of it.
+    subclasses (``Parameter``), non-CPU, nested, sparse and quantized tensors keep torch's
+    path, and so does any tensor the copy fails on.  Only worker processes register this, and
+    only their batches go through it: nothing reads a worker's copy after it is sent, so no
+    caller can tell that the storage was not shared, except that two small tensors of one
+    batch viewing one storage arrive as two copies of it.
     """
     if _TORCH_REDUCE:
         return
@@ -287,7 +322,9 @@ class _Chunk:
         if self.tensor is None:
             return True
         a = self.array
-        return load_u64(a, _ARRIVED) >= load_u64(a, _SENT) and load_u64(a, _LIVE) == 0
+        # This order of loads (acquire) is what makes the check sound: see the module docstring.
+        arrived = load_u64(a, _ARRIVED)
+        return load_u64(a, _LIVE) == 0 and arrived >= load_u64(a, _SENT)
 
 
 def _shared_tensor(size: int) -> tuple[Any, tuple[int, ...] | None]:

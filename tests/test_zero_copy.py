@@ -393,3 +393,204 @@ def test_small_tensors_of_a_worker_batch_travel_by_value(ds_path: Path) -> None:
         assert b["large"].untyped_storage().nbytes() > sb.SMALL_TENSOR_BYTES
     assert ForkingPickler._extra_reducers[torch.Tensor] is torch_reducer
     assert sb._TORCH_REDUCE == []  # nothing registered in the training process
+
+
+def _fill(arena: sb.Arena, byte: int, n: int = 3) -> list[np.ndarray]:
+    """``n`` fields of 20 KiB of ``byte`` (three fill one 64 KiB chunk)."""
+    out = []
+    for _ in range(n):
+        view, off, mv = arena.take(20 << 10)
+        mv[:] = bytes([byte]) * (20 << 10)
+        out.append(view[off:off + (20 << 10)])
+    return out
+
+
+def _live(chunk: Any) -> int:
+    return int(sb.load_u64(chunk.array, sb._LIVE))
+
+
+def test_a_chunk_is_held_from_the_moment_its_message_is_unpickled() -> None:
+    """At no step of unpickling a message (before, between and after the lease and its
+    fields are built) does the owner see the chunk free; a lease unpickled without any
+    field holds it too; once everything is dropped, the counters balance and it is reused."""
+    import sys
+
+    arena = sb.Arena(shared=True, chunk_bytes=64 << 10)
+    first = _fill(arena, 1)
+    chunk = arena._chunk
+    blob = bytes(ForkingPickler.dumps(first))
+    del first
+    gc.collect()
+    assert not chunk.reusable()  # in a pipe
+    free_at: list[tuple[str, str]] = []
+
+    def probe(frame: Any, event: str, arg: Any) -> None:
+        # A worker on another CPU may look at any instant: look at every call and return.
+        if chunk.reusable():
+            free_at.append((event, getattr(arg, "__name__", frame.f_code.co_name)))
+
+    sys.setprofile(probe)
+    try:
+        received = pickle.loads(blob)
+    finally:
+        sys.setprofile(None)
+    assert free_at == []
+    assert _live(chunk) == 1
+    later = _fill(arena, 2) + _fill(arena, 3)  # the owner reads on: other chunks
+    assert arena.allocated == 3
+    assert all(bytes(f) == b"\x01" * (20 << 10) for f in received)
+    del received, later
+    gc.collect()
+    assert chunk.reusable() and _live(chunk) == 0
+    # A message naming the chunk but no field of it (only the lease): held while it lives.
+    fields = _fill(arena, 4)
+    chunk = arena._chunk
+    lease = sb._LEASE_OF[id(fields[0].base)]
+    blob = bytes(ForkingPickler.dumps(lease))
+    del fields, lease
+    gc.collect()
+    bare = pickle.loads(blob)
+    assert not chunk.reusable() and _live(chunk) == 1
+    del bare
+    assert chunk.reusable() and _live(chunk) == 0
+    for k in range(4):
+        _fill(arena, k)
+    assert arena.allocated == 3  # nothing leaked a count: every chunk came back
+
+
+def _pass_on_between_reads(arena: sb.Arena, at: int) -> None:
+    import sys
+
+    first = _fill(arena, at)
+    chunk = arena._chunk
+    holder = [pickle.loads(bytes(ForkingPickler.dumps(first)))]
+    del first
+    gc.collect()
+    onward: list[bytes] = []
+    reads = [0]
+
+    def probe(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and arg is sb.load_u64:
+            reads[0] += 1
+            if reads[0] == at:  # the receiver passes its fields on, then drops them
+                onward.append(bytes(ForkingPickler.dumps(holder[0])))
+                holder.clear()
+
+    sys.setprofile(probe)
+    try:
+        free = chunk.reusable()
+    finally:
+        sys.setprofile(None)
+    assert onward and not holder and not free, at
+    again = pickle.loads(onward[0])
+    assert all(bytes(f) == bytes([at]) * (20 << 10) for f in again)
+    del again
+    gc.collect()
+    assert chunk.reusable() and _live(chunk) == 0
+
+
+def test_a_message_passed_on_by_a_receiver_keeps_the_chunk_held() -> None:
+    """A receiver may pickle its fields again (to another process) and drop its own: at
+    whatever instant between the owner's reads of the counters that happens, the owner does
+    not see the chunk free while the new message is in a pipe."""
+    arena = sb.Arena(shared=True, chunk_bytes=64 << 10)
+    for at in (1, 2):  # after the owner's first or second counter read (of three at most)
+        _pass_on_between_reads(arena, at)
+
+
+def _drop_inherited(held: list[Any]) -> None:
+    held.clear()
+    gc.collect()
+
+
+def test_a_forked_child_dropping_inherited_fields_does_not_free_the_chunk() -> None:
+    """A child forked while this process holds received fields (the user's fork, a worker of
+    another loader) and that drops them gives back no ``live`` count it did not take."""
+    import multiprocessing as mp
+
+    arena = sb.Arena(shared=True, chunk_bytes=64 << 10)
+    first = _fill(arena, 1)
+    chunk = arena._chunk
+    held = [pickle.loads(bytes(ForkingPickler.dumps(first)))]
+    del first
+    gc.collect()
+    assert _live(chunk) == 1 and not chunk.reusable()
+    proc = mp.get_context("fork").Process(target=_drop_inherited, args=(held,))
+    proc.start()
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the forked child did not exit within 60 s")
+    assert proc.exitcode == 0
+    assert _live(chunk) == 1 and not chunk.reusable()
+    later = _fill(arena, 2) + _fill(arena, 3)
+    assert all(bytes(f) == b"\x01" * (20 << 10) for f in held[0])
+    del later
+    held.clear()
+    gc.collect()
+    assert _live(chunk) == 0 and chunk.reusable()
+
+
+class OddTensors:
+    """collate_fn run in the worker: tensor kinds the by-value copy must leave to torch."""
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        return {
+            "labels": torch.tensor([int(s["cls"]) for s in items]),
+            # A plain strided CPU Tensor by type and layout, but without sizes or strides.
+            "nested": torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)]),
+            "jagged": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)],
+                                                 layout=torch.jagged),
+            "coo": torch.eye(3).to_sparse(),
+            "csr": torch.eye(3).to_sparse_csr(),
+            "quantized": torch.quantize_per_tensor(torch.ones(3), 0.5, 0, torch.quint8),
+            "meta": torch.empty(2, 3, device="meta"),
+        }
+
+
+def _check_odd_tensors(b: dict[str, Any]) -> None:
+    import torch
+
+    assert b["labels"].shape == (8,)
+    assert b["nested"].is_nested
+    assert [t.tolist() for t in b["nested"].unbind()] == [[1.0, 1.0], [0.0, 1.0, 2.0]]
+    assert b["jagged"].is_nested and b["jagged"].layout is torch.jagged
+    assert torch.equal(b["coo"].to_dense(), torch.eye(3)) and b["coo"].is_sparse
+    assert torch.equal(b["csr"].to_dense(), torch.eye(3)) and b["csr"].layout is torch.sparse_csr
+    # (torch's own path loses the quantizer: only its kind is checked)
+    assert b["quantized"].is_quantized and b["quantized"].dtype == torch.quint8
+    assert b["meta"].is_meta and b["meta"].shape == (2, 3)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_tensor_kinds_the_by_value_copy_cannot_take_go_torchs_way(ds_path: Path) -> None:
+    """A nested tensor (once lost in the worker's queue feeder thread: the loop waited
+    forever), sparse, quantized and meta tensors of a zero_copy worker's batch
+    arrive as torch sends them.  ``timeout`` bounds the wait for a batch never sent."""
+    ds = shardio.ShardDataset(ds_path, shuffle=False, zero_copy=True, batch_size=8)
+    loader = DataLoader(ds, batch_size=8, num_workers=1, collate_fn=OddTensors(), timeout=60)
+    batches = list(loader)
+    assert len(batches) == N // 8
+    for b in batches:
+        _check_odd_tensors(b)
+        assert not b["labels"].is_shared()  # small and plain: still by value
+
+
+def _copy_fails(t: Any) -> Any:
+    raise RuntimeError("a tensor kind the by-value copy does not know")
+
+
+def test_a_tensor_the_by_value_copy_fails_on_goes_torchs_way(
+        ds_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the copy raises, the batch is sent (by torch's reducer), not lost."""
+    monkeypatch.setattr(sb, "_tensor_by_value", _copy_fails)  # the forked worker inherits it
+    ds = shardio.ShardDataset(ds_path, shuffle=False, zero_copy=True, batch_size=8)
+    loader = DataLoader(ds, batch_size=8, num_workers=1, collate_fn=TensorBatch(), timeout=60,
+                        multiprocessing_context="fork")
+    batches = list(loader)
+    assert len(batches) == N // 8
+    for b in batches:
+        assert b["in_worker_reducer"] == "_reduce_tensor"
+        assert b["labels"].shape == (8,) and b["labels"].is_shared()  # torch's path
