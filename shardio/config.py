@@ -94,6 +94,8 @@ class PackOptions:
         label_from_dir: add a ``cls`` field from the first directory level (ImageFolder layout).
         checksum: per-sample checksum algorithm (``xxh3_64``, ``crc32``, ``crc32c``).
         on_error: ``"raise"`` stops at the first bad input file; ``"skip"`` counts and skips it.
+            Not part of the job fingerprint (:meth:`job_key`): after a ``"raise"`` run stopped on
+            a bad file, the rerun with ``"skip"`` resumes it.
         overwrite: replace whatever OUT holds.
         resume: require a resumable partial run of the same job in OUT.
         fsync: fsync shards before publishing them (turn off only for throwaway output).
@@ -174,13 +176,24 @@ class PackOptions:
         return parse_compress(self.compress)[1]
 
     def output_key(self) -> dict[str, object]:
-        """The options that shape the output bytes (workers, overwrite, resume, fsync do not)."""
+        """The options a multi-node part records to rebuild its command: :meth:`job_key` and
+        ``on_error`` (workers, overwrite, resume, fsync and part are not recorded)."""
+        return {**self.job_key(), "on_error": self.on_error}
+
+    def job_key(self) -> dict[str, object]:
+        """The options that shape the output, which the job and shard fingerprints hold.
+
+        ``on_error`` is not one: it only decides whether a bad input raises or is left out, and
+        what is left out is in the fingerprints already.  A sample the scan drops is not among
+        the job's (or its shard's) entries; a file skipped while a shard is written is counted
+        in that shard's index, which a resume with ``on_error="raise"`` does not keep.  So a
+        shard written under either policy has the bytes the other one would write.
+        """
         return {
             "format": self.format, "shard_size": self.shard_size,
             "samples_per_shard": self.samples_per_shard, "compress": self.compress,
             "zstd_dict": self.zstd_dict, "label_from_dir": self.label_from_dir,
-            "checksum": self.checksum, "on_error": self.on_error, "prefix": self.prefix,
-            "parity": self.parity,
+            "checksum": self.checksum, "prefix": self.prefix, "parity": self.parity,
         }
 
 

@@ -12,10 +12,13 @@ goes on; every other pack (resume, ``--overwrite`` of a non-empty OUT, ``--files
 Resumability: a state file ``.shardio-pack.json`` records the job fingerprint (options that shape
 the output plus every input path, size and mtime; ``null`` while a streaming pack still scans)
 and a fingerprint of the output options.  Each shard's index records a fingerprint of its own
-samples' entries and the options (``job_shard``).  Rerunning the same command finds the state,
-removes temp files left by a killed run, keeps every shard whose fingerprint matches its new
-plan and whose bytes still hash to the same digest, and writes only the rest
-(:mod:`shardio.packstate`).
+samples' entries and the options (``job_shard``) and the files it skipped (``skipped``, with
+``on_error="skip"``).  Rerunning the same command finds the state, removes temp files left by a
+killed run, keeps every shard whose fingerprint matches its new plan and whose bytes still hash
+to the digest recorded when it was written (counting its skipped files again), writes only the
+rest, and deletes shards numbered beyond the new plan before it publishes
+(:mod:`shardio.packstate`).  ``on_error`` is in neither fingerprint (:meth:`PackOptions.job_key`),
+so a run stopped by a bad file resumes with ``--on-error skip``.
 
 Multi-node pack (``PackOptions.part = (I, N)``, ``shardio pack --part I/N|auto``): every part
 scans the same input and computes the same global plan and job fingerprint (which holds neither
@@ -92,6 +95,9 @@ from .packstate import (
     _make_out,
     _prepare_out,
     _read_json,
+    _record_digest,
+    _remove_parity,
+    _remove_stale_shards,
     _write_state,
 )
 
@@ -175,13 +181,18 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
                 fields.append((LABEL_FIELD, lb))
                 fields.sort()
             add(s.key, fields)
-        written = writer.close({"job_shard": task.fingerprint})
+        meta: dict[str, Any] = {"job_shard": task.fingerprint}
+        if skipped:  # kept by a resume, the shard still counts them (packstate._is_done)
+            meta["skipped"] = dict(sorted(skipped.items()))
+        written = writer.close(meta)
     except BaseException:
         writer.abort()
         raise
     finally:
         if dfd >= 0:
             cl(dfd)
+    if fmt != "tar":  # an HDF5 shard's digest has no .idx to travel in
+        _record_digest(written)
     return task.number, written, skipped
 
 
@@ -312,7 +323,7 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
                        on_error=options.on_error)
     sizes = _drop_too_large(scan, options, _estimates(scan.samples, options))
     ranges = plan_shards(scan.samples, options, sizes)
-    key = options.output_key()
+    key = options.job_key()
     docs = _sample_docs(scan.samples)
     job = xxhash.xxh3_128_hexdigest(_job_text(docs, scan.labels, key).encode())
     _make_out(out)
@@ -351,7 +362,7 @@ def _pack_streaming(src: str, out: str, options: PackOptions, progress: bool | N
     """
     walk = Walk(src, out, label_from_dir=options.label_from_dir, on_error=options.on_error)
     codec = Codec(options.codec_name, options.codec_level, None)
-    key = options.output_key()
+    key = options.job_key()
     job = _JobHash()
     result: dict[str, str] = {}
     # The total grows as the scan plans shards; the description gets the file count at its end.
@@ -384,7 +395,7 @@ def _stream_tasks(samples: Iterable[Sample], options: PackOptions, out: str, job
     ``samples.skipped``) or raise :class:`SampleTooLargeError`."""
     estimate, planner = _estimator(options), _Planner(options)
     skip = options.on_error == "skip"
-    options_text = _canonical(options.output_key())
+    options_text = _canonical(options.job_key())
     suffix = shard_suffix(options.format)
     chunk: list[Sample] = []
     n = 0
@@ -434,7 +445,7 @@ def _make_tasks(samples: list[Sample], docs: list[str], ranges: list[tuple[int, 
     so a shard is the same file whichever process, or part, writes it); ``docs`` are the
     samples' job-document entries."""
     suffix = shard_suffix(options.format)
-    options_text = _canonical(options.output_key())
+    options_text = _canonical(options.job_key())
     tasks = []
     for n in numbers:
         a, b = ranges[n]
@@ -469,15 +480,15 @@ def _write_shards(tasks: Iterable[_Task], options: PackOptions, codec: Codec, ou
             if grow and bar is not None:
                 bar.total += sum(s.size for s in t.samples)
                 bar.refresh()
-            w = _is_done(t, options.format)
-            if w is None:
+            finished = _is_done(t, options)
+            if finished is None:
                 for p in (t.final, t.final + ".idx"):
                     if os.path.exists(p):
                         os.unlink(p)
                 yield t
             else:
                 kept += 1
-                done(w, Counter())
+                done(*finished)  # with the files it skipped when it was written
 
     layout, layout_note = _layout_for(out, options)
     try:
@@ -519,8 +530,12 @@ def _publish(out: str, options: PackOptions, labels: list[str] | None, files_in:
     """Build the manifest of a finished job, write its parity, publish it (last, atomically).
 
     The single-process pack and :func:`merge` both end here, so a merged dataset's manifest is
-    byte for byte the one a single process writes.
+    byte for byte the one a single process writes.  Shards numbered beyond ``written`` (an
+    earlier run of the job planned more: its input shrank since) and every parity file are
+    deleted first, so the manifest never lands beside files a verify would call extra.
     """
+    _remove_stale_shards(out, options.prefix, len(written))
+    _remove_parity(out)  # this job's is written next; a killed run's temp files go too
     fields: Counter[str] = Counter()
     for w in written:
         fields.update(w.fields)

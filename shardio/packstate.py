@@ -1,13 +1,22 @@
 """A pack's output directory: what a rerun finds there and decides, and the state it resumes from.
 
 ``OUT`` holds the manifest (last, atomically), the shards with their ``.idx`` files, an optional
-``zstd.dict`` and, while a pack is unfinished, the state file ``.shardio-pack.json``: the job
-fingerprint (``null`` while a streaming pack still scans) and a fingerprint of the output
-options (:mod:`shardio.packplan`).  :func:`_prepare_out` decides between a fresh start, a resume
-(temp files of a killed run are removed; :func:`_is_done` keeps each published shard whose
-fingerprint matches its new plan and whose bytes still hash to what its index promises) and a
-pack that is already complete; anything else in a non-empty ``OUT`` is refused unless
-``--overwrite``, which deletes only shardio's own files (:func:`_ours`).
+``zstd.dict``, ``parity/`` with ``--parity`` and, while a pack is unfinished, the state file
+``.shardio-pack.json``: the job fingerprint (``null`` while a streaming pack still scans) and a
+fingerprint of the output options (:mod:`shardio.packplan`).  :func:`_prepare_out` decides
+between a fresh start, a resume (temp files of a killed run are removed, in ``OUT`` and
+``OUT/parity``; :func:`_is_done` keeps each published shard whose fingerprint matches its new
+plan and whose bytes still hash to the digest recorded when it was written) and a pack that is
+already complete; anything else in a non-empty ``OUT`` is refused unless ``--overwrite``, which
+deletes only shardio's own files (:func:`_ours`).
+
+Where a shard's digest is recorded: a tar shard's in its ``.idx`` (``shard_digest``,
+``shard_bytes``, covered by the index's own checksum).  An HDF5 shard has no file beside it, and
+its digest cannot be inside the bytes it hashes, so the worker that wrote it records it in the
+shard's extended attribute ``user.shardio.digest`` (:func:`_record_digest`): it stays with that
+inode (a shard replaced or copied without its attributes has none), needs no file in ``OUT``
+that a concurrent part of a multi-node pack would take for a foreign one, and nothing to clean
+up.  A shard without it (a filesystem without user xattrs) is rewritten on resume, never trusted.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Any
 from . import __version__
 from ._fsutil import TMP_MARK, atomic_write_bytes, remove_temp_files, translate_oserror
 from ._packpool import Task as _Task
-from .checksum import digest_bytes, file_digest
+from .checksum import DEFAULT_DIGEST, digest_bytes, file_digest
 from .codec import Codec
 from .config import PackOptions
 from .errors import (
@@ -30,9 +39,10 @@ from .errors import (
     ShardioError,
     UsageError,
 )
-from .formats import WrittenShard, load_index, verify_fields
+from .formats import WrittenShard, load_index
 from .manifest import MANIFEST_NAME, Manifest
 from .packplan import _fingerprint
+from .parity import PARITY_DIR
 
 __all__ = ["DICT_NAME", "STATE_NAME"]
 
@@ -40,6 +50,7 @@ STATE_NAME = ".shardio-pack.json"
 # Part records and per-part state files of a multi-node pack (shardio.parts).
 _PART_FILE = re.compile(r"\.shardio-(part|pack)-(\d+)-of-(\d+)\.json")
 DICT_NAME = "zstd.dict"
+_DIGEST_XATTR = "user.shardio.digest"  # an HDF5 shard's "<algorithm>:<digest>:<bytes>"
 
 
 def _check_paths(src: str, out: str, files_from: str | None) -> None:
@@ -62,8 +73,8 @@ def _ours(name: str, prefix: str) -> bool:
 
 
 def _remove_parity(out: str) -> None:
-    """Delete parity files a previous ``--parity`` run left in ``OUT/parity``."""
-    pdir = os.path.join(out, "parity")
+    """Delete parity files (and their temp files) a previous run left in ``OUT/parity``."""
+    pdir = os.path.join(out, PARITY_DIR)
     if not os.path.isdir(pdir):
         return
     for n in os.listdir(pdir):
@@ -86,8 +97,9 @@ def _prepare_out(out: str, job: str, options: PackOptions) -> Manifest | None:
     # (job None: a streaming pack stopped before its scan ended; then the options must match)
     if state is not None and (state.get("job") == job or (
             state.get("job") is None
-            and state.get("options") == _fingerprint(options.output_key()))):
+            and state.get("options") == _fingerprint(options.job_key()))):
         remove_temp_files(out)
+        remove_temp_files(os.path.join(out, PARITY_DIR))  # a run killed while writing parity
         return None
     if MANIFEST_NAME in names and state is None:
         try:
@@ -95,6 +107,14 @@ def _prepare_out(out: str, job: str, options: PackOptions) -> Manifest | None:
         except ShardioError:
             existing = None
         if existing is not None and existing.job == job:
+            skipped = existing.stats.get("skipped")
+            if options.on_error == "raise" and skipped:
+                # The job leaves on_error out; this run may not pass off those skips as its own.
+                raise OutputNotEmptyError(
+                    f"OUT {out} holds this pack made with --on-error skip, which left out bad "
+                    f"input files ({skipped}); rerun with --on-error skip to keep it, or with "
+                    "--overwrite to pack again and stop at the first bad file"
+                )
             return existing
     if options.resume:
         raise OutputNotEmptyError(
@@ -118,22 +138,31 @@ def _read_json(path: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _is_done(task: _Task, fmt: str) -> WrittenShard | None:
-    """A published shard of this job that still hashes to what its index promises, or None."""
+def _is_done(task: _Task, options: PackOptions) -> tuple[WrittenShard, Counter[str]] | None:
+    """A published shard of this job whose bytes still hash to the digest recorded when it was
+    written, and the files it skipped; None when it must be written again."""
+    fmt = options.format
     if not os.path.exists(task.final):
         return None
     try:
+        recorded = _recorded_digest(task.final) if fmt != "tar" else None
+        if fmt != "tar" and recorded is None:
+            return None
         index = load_index(fmt, task.final)
         if index.meta.get("job_shard") != task.fingerprint:
             return None
-        digest, size = file_digest(task.final)
-        idx_path = task.final + ".idx" if fmt == "tar" else None
-        idx_digest = file_digest(idx_path)[0] if idx_path else ""
-        if idx_path:
-            if (index.meta.get("shard_digest"), index.meta.get("shard_bytes")) != (digest, size):
-                return None
-        elif verify_fields(task.final, index):
+        skipped = _skip_counts(index.meta)
+        # A shard that left files out is no shard of an on_error="raise" run: written again, the
+        # first file it cannot read raises, as in an uninterrupted run.
+        if skipped is None or (skipped and options.on_error == "raise"):
             return None
+        idx_path = task.final + ".idx" if fmt == "tar" else None
+        if idx_path:
+            recorded = (index.meta.get("shard_digest"), index.meta.get("shard_bytes"))
+        digest, size = file_digest(task.final)
+        if (digest, size) != recorded:
+            return None
+        idx_digest = file_digest(idx_path)[0] if idx_path else ""
     except (ShardioError, OSError):
         return None
     fields = Counter(index.field_names[int(n)] for n in index.f_name)
@@ -141,7 +170,53 @@ def _is_done(task: _Task, fmt: str) -> WrittenShard | None:
         path=task.final, index_path=idx_path, samples=len(index), bytes=size, digest=digest,
         index_digest=idx_digest, stored_bytes=index.stored_bytes, raw_bytes=index.raw_bytes,
         fields=dict(fields),
-    )
+    ), skipped
+
+
+def _skip_counts(meta: dict[str, Any]) -> Counter[str] | None:
+    """The files a shard's writer skipped (``skipped`` in its index meta; absent: none), or
+    None when the entry is malformed."""
+    counts = meta.get("skipped", {})
+    if not isinstance(counts, dict) or not all(
+            isinstance(k, str) and type(v) is int and v > 0 for k, v in counts.items()):
+        return None
+    return Counter(counts)
+
+
+def _record_digest(written: WrittenShard) -> None:
+    """Record a just-published HDF5 shard's digest and size on it (module docstring); where the
+    filesystem refuses user xattrs, a resume writes the shard again instead of keeping it."""
+    value = f"{DEFAULT_DIGEST}:{written.digest}:{written.bytes}".encode()
+    try:
+        os.setxattr(written.path, _DIGEST_XATTR, value)
+    except (OSError, AttributeError):  # AttributeError: no os.setxattr (not Linux)
+        pass
+
+
+def _recorded_digest(path: str) -> tuple[str, int] | None:
+    """``(digest, bytes)`` :func:`_record_digest` left on ``path``, or None."""
+    try:
+        algorithm, digest, size = os.getxattr(path, _DIGEST_XATTR).decode("ascii").split(":")
+    except (OSError, AttributeError, UnicodeDecodeError, ValueError):
+        return None
+    if algorithm != DEFAULT_DIGEST or not size.isdigit():
+        return None
+    return digest, int(size)
+
+
+def _remove_stale_shards(out: str, prefix: str, count: int) -> None:
+    """Delete shards and indexes numbered ``count`` or more: an earlier run of this job
+    planned more shards (its input has shrunk since), and none may outlive it beside the
+    manifest.  Only names this prefix's shards are written under are touched."""
+    pattern = re.compile(re.escape(prefix) + r"-(\d{6,})(\.tar|\.tar\.idx|\.h5)")
+    for name in os.listdir(out):
+        m = pattern.fullmatch(name)
+        if m is None or int(m[1]) < count or name != f"{prefix}-{int(m[1]):06d}{m[2]}":
+            continue
+        try:
+            os.unlink(os.path.join(out, name))
+        except FileNotFoundError:
+            pass
 
 
 def _empty(out: str) -> bool:
@@ -169,7 +244,7 @@ def _write_state(out: str, options: PackOptions, job: str | None, shards: int | 
     # Without --no-fsync the state file is synced like the shards; with it, syncing this one
     # small file would only cost a journal commit (~15 ms) and guard nothing.
     atomic_write_bytes(os.path.join(out, STATE_NAME), json.dumps({
-        "job": job, "options": _fingerprint(options.output_key()), "shards": shards,
+        "job": job, "options": _fingerprint(options.job_key()), "shards": shards,
         "created_by": f"shardio {__version__}",
         "dictionary_digest": digest_bytes(codec.dictionary) if codec.dictionary else None,
     }).encode(), fsync=fsync)
