@@ -145,9 +145,11 @@ def _is_done(task: _Task, options: PackOptions) -> tuple[WrittenShard, Counter[s
     if not os.path.exists(task.final):
         return None
     try:
-        recorded = _recorded_digest(task.final) if fmt != "tar" else None
-        if fmt != "tar" and recorded is None:
-            return None
+        if fmt != "tar":
+            # Hashed before h5py parses it: damaged HDF5 metadata can crash or hang the library.
+            recorded = _recorded_digest(task.final)
+            if recorded is None or file_digest(task.final) != recorded:
+                return None
         index = load_index(fmt, task.final)
         if index.meta.get("job_shard") != task.fingerprint:
             return None
@@ -159,9 +161,9 @@ def _is_done(task: _Task, options: PackOptions) -> tuple[WrittenShard, Counter[s
         idx_path = task.final + ".idx" if fmt == "tar" else None
         if idx_path:
             recorded = (index.meta.get("shard_digest"), index.meta.get("shard_bytes"))
-        digest, size = file_digest(task.final)
-        if (digest, size) != recorded:
-            return None
+            if file_digest(task.final) != recorded:
+                return None
+        digest, size = recorded
         idx_digest = file_digest(idx_path)[0] if idx_path else ""
     except (ShardioError, OSError):
         return None
