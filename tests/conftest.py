@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -113,3 +115,15 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def world_tmp() -> Iterator[Path]:
+    """A temp dir every user can traverse and write (pytest's own are private to root): for
+    tests that drop to an unprivileged user to make a file unreadable."""
+    d = Path(tempfile.mkdtemp(prefix="shardio-test-"))
+    os.chmod(d, 0o777)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

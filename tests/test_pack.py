@@ -11,14 +11,12 @@ import errno
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -673,17 +671,6 @@ m = pack(src, os.path.join(outs, "skip"), samples_per_shard=2, on_error="skip")
 res["skip"] = [m.stats["skipped"], m.num_samples]
 print(json.dumps(res))
 """
-
-
-@pytest.fixture
-def world_tmp() -> Iterator[Path]:
-    """A temp dir every user can traverse (pytest's own tmp dirs are private to root)."""
-    d = Path(tempfile.mkdtemp(prefix="shardio-test-"))
-    os.chmod(d, 0o755)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_unreadable_file(world_tmp: Path, tmp_path: Path) -> None:

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,17 +75,6 @@ except ShardioError as exc:
 else:
     print(json.dumps({"manifest": m.to_dict()}))
 """
-
-
-@pytest.fixture
-def world_tmp() -> Iterator[Path]:
-    """A temp dir every user can traverse (pytest's own are private to root), OUT writable."""
-    d = Path(tempfile.mkdtemp(prefix="shardio-test-"))
-    os.chmod(d, 0o777)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _child_pack(src: Path, out: Path, kill: str = "none", **options: Any) -> dict[str, Any]:

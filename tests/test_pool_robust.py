@@ -43,6 +43,7 @@ from shardio._tree import plan_tree, read_tree
 from shardio.errors import UsageError
 from shardio.pool import PoolOptions, WorkerPool
 from tests.test_dataset import pack_text
+from tests.test_loader import wait_gone
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -63,22 +64,6 @@ def live_children() -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return out
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Pids still alive (not zombies) after waiting up to ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() > end:
-            return alive
-        time.sleep(0.05)
 
 
 def our_rings() -> set[str]:
