@@ -12,6 +12,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.context import get_spawning_popen
 from typing import Any
@@ -297,8 +298,12 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
 
         if self._stager is None:
             bs = batch_size or self.options.batch_size
-            self._stager = Stager(self.cache, lambda e: self.schedule(e, bs),
+            me = weakref.ref(self)  # the stager must not keep this dataset alive
+            self._stager = Stager(self.cache, lambda e: me().schedule(e, bs),  # type: ignore
                                   self._stage_options())
+            # Gone with the dataset (a notebook making many), not only with the process; at
+            # exit the parent-death signal ends it, as before.
+            weakref.finalize(self, self._stager.stop, 2.0).atexit = False
         self._stager.start(epoch)
 
     def _report(self, epoch: int, position: int) -> None:

@@ -149,3 +149,23 @@ def test_stage_command_for_job_prologs(shared: Path, tmp_path: Path, cli) -> Non
     ds._stager.stop()
     rc, _out, err = cli("stage", shared, "--cache", cache, "--epochs", "2..1")
     assert rc == 2 and "E <= F" in err
+
+
+def test_stager_stops_when_its_dataset_is_collected(shared: Path, tmp_path: Path) -> None:
+    """The stager a dataset forked ends with the dataset, not only with the process (a
+    notebook making many datasets kept one stager polling per dataset)."""
+    import gc
+
+    import psutil
+
+    (tmp_path / "nvme").mkdir()
+    ds = shardio.ShardDataset(shared, cache_dir=str(tmp_path / "nvme"), cache_reserve=0)
+    keys(ds)
+    pid = ds._stager.pid
+    assert pid is not None and psutil.pid_exists(pid)
+    del ds
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while psutil.pid_exists(pid):  # stop() reaps it: no zombie either
+        assert time.monotonic() < deadline, "the stager outlived its dataset"
+        time.sleep(0.05)
