@@ -42,7 +42,7 @@ from .errors import (
 from .formats import WrittenShard, load_index
 from .manifest import MANIFEST_NAME, Manifest
 from .packplan import _fingerprint
-from .parity import PARITY_DIR
+from .parity import PARITY_DIR, PARITY_FILE
 
 __all__ = ["DICT_NAME", "STATE_NAME"]
 
@@ -66,10 +66,16 @@ def _check_paths(src: str, out: str, files_from: str | None) -> None:
         raise UsageError(f"OUT {out} exists and is not a directory")
 
 
+def _shard_number(name: str, prefix: str) -> int | None:
+    """The number of a shard or index file named as the packer names them
+    (``<prefix>-<n:06d>.tar``, ``.tar.idx``, ``.h5``), or None for any other name."""
+    m = re.fullmatch(re.escape(prefix) + r"-(\d{6,})\.(?:tar|tar\.idx|h5)", name)
+    return int(m[1]) if m is not None and m[1] == f"{int(m[1]):06d}" else None
+
+
 def _ours(name: str, prefix: str) -> bool:
     return (name in (MANIFEST_NAME, STATE_NAME, DICT_NAME) or TMP_MARK in name
-            or _PART_FILE.fullmatch(name) is not None
-            or re.fullmatch(re.escape(prefix) + r"-\d{6}\.(tar|tar\.idx|h5)", name) is not None)
+            or _PART_FILE.fullmatch(name) is not None or _shard_number(name, prefix) is not None)
 
 
 def _remove_parity(out: str) -> None:
@@ -78,7 +84,7 @@ def _remove_parity(out: str) -> None:
     if not os.path.isdir(pdir):
         return
     for n in os.listdir(pdir):
-        if re.fullmatch(r"g\d{6}\.p\d+", n) or TMP_MARK in n:
+        if PARITY_FILE.fullmatch(n) or TMP_MARK in n:
             os.unlink(os.path.join(pdir, n))
     if not os.listdir(pdir):
         os.rmdir(pdir)
@@ -210,10 +216,9 @@ def _remove_stale_shards(out: str, prefix: str, count: int) -> None:
     """Delete shards and indexes numbered ``count`` or more: an earlier run of this job
     planned more shards (its input has shrunk since), and none may outlive it beside the
     manifest.  Only names this prefix's shards are written under are touched."""
-    pattern = re.compile(re.escape(prefix) + r"-(\d{6,})(\.tar|\.tar\.idx|\.h5)")
     for name in os.listdir(out):
-        m = pattern.fullmatch(name)
-        if m is None or int(m[1]) < count or name != f"{prefix}-{int(m[1]):06d}{m[2]}":
+        n = _shard_number(name, prefix)
+        if n is None or n < count:
             continue
         try:
             os.unlink(os.path.join(out, name))

@@ -38,6 +38,7 @@ M blocks of a group lost, :func:`rebuild_shard` raises :class:`~shardio.errors.P
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -61,6 +62,8 @@ __all__ = [
 
 SCHEME = "zfec-rs"
 PARITY_DIR = "parity"
+#: A parity file's name inside :data:`PARITY_DIR` (``g<group:06d>.p<j>``).
+PARITY_FILE = re.compile(r"g\d{6,}\.p\d+")
 MAX_BLOCKS = PARITY_MAX_BLOCKS  # zfec works in GF(2^8): at most 256 blocks per group
 DEFAULT_CHUNK = 1 << 20
 

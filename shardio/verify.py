@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import signal
 import subprocess
 import sys
@@ -32,12 +31,11 @@ from .checksum import digest_bytes, file_digest
 from .errors import ShardioError
 from .formats import Problem, ShardIndex, load_index, verify_fields
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, _body_digest, _canonical_json
-from .parity import PARITY_DIR
+from .parity import PARITY_DIR, PARITY_FILE
 
 __all__ = ["Problem", "verify_dataset"]
 
 _SHARD_SUFFIXES = (".tar", ".tar.idx", ".h5", ".idx")
-_PARITY_NAME = re.compile(r"g\d+\.p\d+")
 # Seconds a damaged HDF5 shard's index may take to load in its child process: a sound index loads
 # in well under a second; past this the HDF5 library is taken to hang on the damaged metadata.
 _PARSE_TIMEOUT = 10.0
@@ -232,7 +230,7 @@ def _extra_files(root: str, manifest: Manifest, parity: set[str] | None) -> list
             if name.endswith(_SHARD_SUFFIXES) and rel not in known:
                 extra.append(Problem(rel, "extra shard file not listed in the manifest"))
             elif (parity is not None and os.path.dirname(rel) == PARITY_DIR
-                  and _PARITY_NAME.fullmatch(name) and rel not in parity):
+                  and PARITY_FILE.fullmatch(name) and rel not in parity):
                 extra.append(Problem(rel, "extra parity file not listed in the manifest"))
     return extra
 

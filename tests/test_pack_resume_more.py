@@ -290,3 +290,16 @@ def test_completed_pack_and_the_other_on_error_policy(tmp_path: Path) -> None:
     with pytest.raises(BrokenSymlinkError):
         shardio.pack(src, out2, samples_per_shard=2)
     assert Manifest.load(str(out2)).to_dict() == skipped.to_dict()
+
+
+def test_shard_names_the_packer_owns() -> None:
+    """One matcher decides which files are shards of a prefix, for --overwrite and for the
+    stale-shard sweep alike (--overwrite once missed shards numbered 1,000,000 and up)."""
+    from shardio.packstate import _ours, _shard_number
+
+    assert _shard_number("shard-000001.tar", "shard") == 1
+    assert _shard_number("shard-1234567.tar.idx", "shard") == 1234567
+    assert _shard_number("shard-000002.h5", "shard") == 2
+    for other in ("shard-0000001.tar", "shard-000007.tar.orig", "shard-12.tar", "x-000001.tar"):
+        assert _shard_number(other, "shard") is None
+    assert _ours("shard-1234567.tar", "shard") and not _ours("notes.txt", "shard")
