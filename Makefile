@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard shardio/*.c)
 	$(BIN)/python -m pip install -q "$(TORCH)" -e ".[test,bench]"
 	touch $@
 

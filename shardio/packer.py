@@ -143,8 +143,19 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
     # name rather than the whole path per file.  The files of a sample share a directory and
     # key order keeps a directory's samples together, so one descriptor (the last) is kept.
     cur_dir, dfd = "", -1
+    # The C loop (TarWriter.add_files) takes runs of samples and hands back any it does not
+    # handle (a file it cannot read, a name that needs a pax header, ...) to the code below.
+    add_files = writer.add_files
+    samples = task.samples if isinstance(task.samples, list) else list(task.samples)
+    i, n = 0, len(samples)
     try:
-        for s in task.samples:
+        while i < n:
+            if add_files is not None:
+                i = add_files(samples, i, LABEL_FIELD)
+                if i >= n:
+                    break
+            s = samples[i]
+            i += 1
             fields: list[tuple[str, bytes]] = []
             try:
                 for name, path, size, _mtime in s.files:
@@ -260,6 +271,10 @@ def _run_tasks(tasks: Iterable[_Task], options: PackOptions, codec: Codec,
 
 
 def _release_buffers(fmt: str) -> None:
+    if fmt == "tar":
+        from .formats.tar import release_buffers as release_tar
+
+        release_tar()
     if fmt == "hdf5" and "shardio.formats.hdf5" in sys.modules:
         from .formats.hdf5 import release_buffers
 

@@ -260,6 +260,21 @@ class IndexBuilder:
         self.f_raw_length.append(raw_length)
         self.f_checksum.append(checksum)
 
+    def add_columns(self, keys: bytes, key_offsets: bytes, starts: bytes, name_ids: bytes,
+                    offsets: bytes, lengths: bytes, checksums: bytes) -> None:
+        """Append rows given as packed columns (native byte order; ``shardio._tarpack.fill``):
+        key bytes, each sample's key end and first row (absolute), and per row its field name id,
+        offset, length and checksum.  Flags are 0 and raw lengths equal lengths (stored as is)."""
+        self._keys += keys
+        self._key_offsets.frombytes(key_offsets)
+        self._starts.frombytes(starts)
+        self.f_name.frombytes(name_ids)
+        self.f_flags.frombytes(bytes(len(name_ids) // 2))
+        self.f_offset.frombytes(offsets)
+        self.f_length.frombytes(lengths)
+        self.f_raw_length.frombytes(lengths)
+        self.f_checksum.frombytes(checksums)
+
     def name_id(self, name: str) -> int:
         """The ``f_name`` value of field ``name`` (registered on first use)."""
         return self._names.setdefault(name, len(self._names))
@@ -331,6 +346,9 @@ class ShardWriter:
     """Write one shard to a temp name; :meth:`close` publishes it atomically, :meth:`abort` drops it."""
 
     suffix = ""
+    # ``add_files(samples, start, label_field) -> int``, when a writer has it: read and add
+    # ``shardio._scan.Sample``s from ``start`` on, returning the first one left to :meth:`add`.
+    add_files: Callable[[list[Any], int, str], int] | None = None
 
     def add(self, key: str, fields: Sequence[tuple[str, bytes]]) -> None:
         raise NotImplementedError

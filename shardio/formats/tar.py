@@ -27,6 +27,11 @@ from ..errors import (
 )
 from .base import IndexBuilder, ShardIndex, ShardWriter, WrittenShard
 
+try:  # the C hot loop of a pack (shardio/_tarpack.c); TarWriter.add is the reference
+    from .._tarpack import fill as _fill
+except ImportError:  # pragma: no cover - built with the package on Linux
+    _fill = None
+
 if TYPE_CHECKING:
     import tarfile
 
@@ -38,6 +43,7 @@ BLOCK = 512
 # kernel and came back as page faults).
 _FLUSH = 2 << 20
 _IOV_MAX = 1024
+_WRITEBACK_DEPTH = 2  # batches queued to _Writeback at most (it holds that many buffers)
 _ZERO = bytes(BLOCK * 2)
 _PADS = tuple(bytes(k) for k in range(BLOCK))  # _PADS[k]: k zero bytes, shared, never re-made
 _USTAR_SIZE_LIMIT = 8**11
@@ -106,7 +112,7 @@ class _Writeback:
     queued; the first error stops the writing and is re-raised by :meth:`put` or :meth:`finish`.
     """
 
-    def __init__(self, fd: int, depth: int = 2) -> None:
+    def __init__(self, fd: int, depth: int = _WRITEBACK_DEPTH) -> None:
         self._fd = fd
         self._jobs: deque[tuple[list[bytes], int] | None] = deque()
         self._ready = threading.Semaphore(0)
@@ -147,6 +153,24 @@ class _Writeback:
         return self.error
 
 
+# Sets of TarWriter.add_files' batch buffers, kept between the shards of a pack: fresh 2 MiB
+# buffers would cost a page fault per 4 KiB of data.  A set is _WRITEBACK_DEPTH + 1 buffers (the
+# writer thread holds that many batches at most, and add_files hands each batch on at once).
+_SPARE_BUFFERS: list[list[bytearray]] = []
+
+
+def _take_buffers() -> list[bytearray]:
+    try:
+        return _SPARE_BUFFERS.pop()
+    except IndexError:
+        return [bytearray(_FLUSH + _FLUSH // 2) for _ in range(_WRITEBACK_DEPTH + 1)]
+
+
+def release_buffers() -> None:
+    """Free the spare batch buffers (the end of a pack)."""
+    _SPARE_BUFFERS.clear()
+
+
 def split_member_name(name: str) -> tuple[str, str] | None:
     """WebDataset's rule: key = directory + basename up to its first dot; field = the rest."""
     d, base = os.path.split(name)
@@ -184,6 +208,10 @@ class TarWriter(ShardWriter):
         # add()/close() and can abort(): a Ctrl-C landing just after the open cannot orphan it.
         self._fd = -1
         self._bg: _Writeback | None = None
+        self._buffers: list[bytearray] = []  # add_files' batch buffers (_take_buffers)
+        self._turn = 0
+        if _fill is not None and codec.name is None:
+            self.add_files = self._add_files
 
     def _open(self) -> None:
         try:
@@ -218,7 +246,7 @@ class TarWriter(ShardWriter):
         if self._fd < 0:
             self._open()
         if self._bg is None:
-            self._bg = _Writeback(self._fd)
+            self._bg = _Writeback(self._fd, _WRITEBACK_DEPTH)
         iov, total = self._iov, self._pending
         self._iov, self._pending = [], 0
         try:
@@ -276,6 +304,45 @@ class TarWriter(ShardWriter):
         if pending >= _FLUSH or len(iov) >= _IOV_MAX - 64:
             self._flush_behind()
 
+    def _add_files(self, samples: list[Any], start: int, label_field: str) -> int:
+        """Read and add samples ``samples[start:]`` (:class:`shardio._scan.Sample`) in C.
+
+        Returns the index of the first sample not added: ``len(samples)``, or a sample the C
+        code leaves to the caller (see shardio/_tarpack.c: pax names, compression, a file it
+        cannot read, ...), which must then go through :meth:`add`.  The bytes and the index are
+        the same as :meth:`add` gives for those samples, with fields read by the caller.
+        """
+        index = self._index
+        n = len(samples)
+        if not self._buffers:
+            self._buffers = _take_buffers()
+        while start < n:
+            if self._pad:  # the last member's padding, held back by add()
+                pad, self._pad = self._pad, b""
+                self._iov.append(pad)
+                self._digest.update(pad)
+                self._pending += len(pad)
+                self._pos += len(pad)
+            out = self._buffers[self._turn]
+            (start, slow, length, data, keys, key_offsets, starts, name_ids, offsets, lengths,
+             checksums) = _fill(samples, start, index._names, label_field, self._check, self._pos,
+                                len(index._keys), len(index.f_name), _FLUSH, out)
+            index.add_columns(keys, key_offsets, starts, name_ids, offsets, lengths, checksums)
+            if length:
+                if data is None:
+                    data = memoryview(out)[:length]
+                    self._turn = (self._turn + 1) % len(self._buffers)
+                self._iov.append(data)
+                self._digest.update(data)
+                self._pending += length
+                self._pos += length
+                # Always handed on at once, so a buffer is refilled only after it was written:
+                # the writer holds at most two batches, the others (_BUFFERS) are free.
+                self._flush_behind()
+            if slow:
+                break
+        return start
+
     def close(self, meta: dict[str, Any] | None = None) -> WrittenShard:
         end = self._pad + _ZERO
         self._iov.append(end)
@@ -292,6 +359,7 @@ class TarWriter(ShardWriter):
         except BaseException:
             self.abort()
             raise
+        self._give_back_buffers()
         index = self._index
         meta = dict(meta or {})
         meta.update(shard_bytes=self._pos, shard_digest=self._digest.hexdigest())
@@ -318,11 +386,19 @@ class TarWriter(ShardWriter):
             fields=index.field_counts(),
         )
 
+    def _give_back_buffers(self) -> None:
+        """Return the batch buffers to the pool (the writer thread is done with them)."""
+        if self._buffers and self._bg is None:
+            _SPARE_BUFFERS.append(self._buffers)
+        self._buffers = []
+        self._iov = []
+
     def abort(self) -> None:
         try:
             if self._bg is not None:
                 bg, self._bg = self._bg, None
                 bg.finish(cancel=True)
+            self._give_back_buffers()
         finally:  # a second Ctrl-C during the wait still removes the temp file
             if self._fd >= 0:
                 try:

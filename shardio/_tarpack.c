@@ -1,0 +1,607 @@
+/* shardio._tarpack: the hot loop of `shardio pack --format tar` for plain members.
+ *
+ *   fill(samples, start, names, label_field, check, base_pos, base_key, base_row, cap, out)
+ *       -> (stop, slow, length, data, keys, key_offsets, starts, name_ids, offsets, lengths,
+ *           checksums)
+ *
+ * Reads the files of samples[start:stop] (shardio._scan.Sample objects: .key, .files as
+ * (field, path, size, mtime_ns) tuples in field order, .label an int or None) and lays out their
+ * tar members, `length` bytes, in the writable buffer `out` (data is None) or, when they do not
+ * fit there or `out` is None, in a new bytes object `data`: byte for byte what
+ * shardio.formats.tar.TarWriter.add writes
+ * for them: per field a 512-byte ustar header (mode 0444, uid/gid 0, mtime 0, name
+ * "<key>.<field>"), the data, then zero padding to the next 512-byte boundary.  The label, when
+ * there is one, is the field `label_field` holding str(label), placed in field-name order.
+ *
+ * Index rows come back as packed columns ready for array.frombytes: key_offsets ("Q", each
+ * sample's key end, counted from base_key), starts ("Q", each sample's first row, counted from
+ * base_row), name_ids ("H", from the dict `names`, which gains new field names in order of first
+ * use), offsets ("Q", each member's data offset in the shard, counted from base_pos), lengths
+ * ("Q") and checksums ("Q", `check` called on a memoryview of each member's data).
+ *
+ * It stops before a sample it does not handle and returns slow=True there; the caller writes
+ * that sample with the Python code, which raises the typed error or applies --on-error, and calls
+ * again after it.  Not handled: a key or field name that is not ASCII or makes a member name over
+ * 100 bytes (pax headers), a size over the ustar limit, a label that is not an int, a field named
+ * like the label, a path that is not valid UTF-8, a file that cannot be opened or read, and a file
+ * that grew since the scan.  A file that shrank is written at its new size, as the Python code
+ * does.  It also stops (slow=False) once the batch holds `cap` bytes (at least one sample is
+ * taken).  The files are read with the GIL released; names are registered only for the samples
+ * returned, so the index is the same whichever code wrote a sample.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#define BLOCK 512
+#define USTAR_SIZE_LIMIT 8589934592LL /* 8**11 */
+#define LABEL_MAX 40
+
+typedef struct {
+    PyObject *path;        /* owned reference (NULL for the label member) */
+    const char *cpath;     /* UTF-8 inside `path` */
+    Py_ssize_t dir_len;    /* bytes of cpath before its last '/', -1 when none */
+    PyObject *field;       /* owned reference */
+    const char *fname;
+    Py_ssize_t fname_len;
+    long long size;        /* the scan's size; the label's length */
+    char label[LABEL_MAX]; /* the label member's data */
+    long long got;         /* bytes written for this member (phase 2) */
+    Py_ssize_t data_off;   /* offset of its data inside the batch (phase 2) */
+} Member;
+
+typedef struct {
+    PyObject *key;       /* owned reference */
+    const char *ckey;
+    Py_ssize_t key_len;
+    Py_ssize_t first;    /* its first member */
+    Py_ssize_t count;    /* its members */
+    Py_ssize_t out_off;  /* where its first header starts in the batch (phase 2) */
+} SampleRec;
+
+typedef struct {
+    Member *m;
+    Py_ssize_t n, cap;
+    SampleRec *s;
+    Py_ssize_t ns, scap;
+} Batch;
+
+static void
+batch_free(Batch *b)
+{
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        Py_XDECREF(b->m[i].path);
+        Py_XDECREF(b->m[i].field);
+    }
+    for (Py_ssize_t i = 0; i < b->ns; i++) {
+        Py_XDECREF(b->s[i].key);
+    }
+    PyMem_Free(b->m);
+    PyMem_Free(b->s);
+}
+
+static Member *
+batch_member(Batch *b)
+{
+    if (b->n == b->cap) {
+        Py_ssize_t cap = b->cap ? b->cap * 2 : 256;
+        Member *m = PyMem_Realloc(b->m, (size_t)cap * sizeof(Member));
+        if (m == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        b->m = m;
+        b->cap = cap;
+    }
+    Member *m = &b->m[b->n++];
+    memset(m, 0, sizeof(*m));
+    return m;
+}
+
+static Py_ssize_t
+padded(long long n)
+{
+    return (Py_ssize_t)(((n + BLOCK - 1) / BLOCK) * BLOCK);
+}
+
+/* Append a member named <key>.<fname>: a file's (label NULL; the caller sets its path) or the
+ * label's (its text).  1: added; 0: the name needs a pax header (the Python code writes it);
+ * -1: out of memory. */
+static int
+push_member(Batch *b, PyObject *field, const char *fname, Py_ssize_t fname_len, long long size,
+            const char *label, Py_ssize_t key_len, long long *added)
+{
+    if (key_len + 1 + fname_len > 100) {
+        return 0;
+    }
+    Member *m = batch_member(b);
+    if (m == NULL) {
+        return -1;
+    }
+    Py_INCREF(field);
+    m->field = field;
+    m->fname = fname;
+    m->fname_len = fname_len;
+    m->size = size;
+    if (label != NULL) {
+        memcpy(m->label, label, (size_t)size);
+    }
+    *added += BLOCK + padded(size);
+    return 1;
+}
+
+/* Add sample `obj`'s members to the batch.  1: added; 0: the sample needs the Python code (the
+ * batch is left as it was); -1: a Python error (not a property of the sample). */
+static int
+take_sample(Batch *b, PyObject *obj, PyObject *label_field, long long *bytes)
+{
+    Py_ssize_t mark = b->n;
+    int rc = 0;
+    PyObject *key = NULL, *files = NULL, *label = NULL;
+    const char *lf;
+    Py_ssize_t lf_len;
+
+    key = PyObject_GetAttrString(obj, "key");
+    if (key == NULL) {
+        return -1;
+    }
+    files = PyObject_GetAttrString(obj, "files");
+    if (files == NULL) {
+        rc = -1;
+        goto done;
+    }
+    label = PyObject_GetAttrString(obj, "label");
+    if (label == NULL) {
+        rc = -1;
+        goto done;
+    }
+    if (!PyUnicode_Check(key) || !PyUnicode_IS_ASCII(key) || !PyList_Check(files)) {
+        goto done;
+    }
+    Py_ssize_t key_len = PyUnicode_GET_LENGTH(key);
+    const char *ckey = (const char *)PyUnicode_DATA(key);
+    lf = PyUnicode_AsUTF8AndSize(label_field, &lf_len);
+    if (lf == NULL) {
+        rc = -1;
+        goto done;
+    }
+    int with_label = label != Py_None;
+    char label_text[LABEL_MAX];
+    Py_ssize_t label_len = 0;
+    if (with_label) {
+        if (!PyLong_CheckExact(label)) {
+            goto done;
+        }
+        long long v = PyLong_AsLongLong(label);
+        if (v == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto done;
+        }
+        label_len = snprintf(label_text, sizeof(label_text), "%lld", v);
+    }
+    Py_ssize_t nfiles = PyList_GET_SIZE(files);
+    long long added = 0;
+    int sorts = with_label; /* the Python code sorts the fields only when it adds a label */
+    PyObject *prev = NULL;
+    for (Py_ssize_t i = 0; i <= nfiles; i++) {
+        PyObject *field = NULL, *path = NULL;
+        const char *fname = NULL;
+        Py_ssize_t fname_len = 0;
+        long long size = 0;
+        if (i < nfiles) {
+            PyObject *t = PyList_GET_ITEM(files, i);
+            if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 3) {
+                goto undo;
+            }
+            field = PyTuple_GET_ITEM(t, 0);
+            path = PyTuple_GET_ITEM(t, 1);
+            PyObject *size_obj = PyTuple_GET_ITEM(t, 2);
+            if (!PyUnicode_Check(field) || !PyUnicode_IS_ASCII(field) || !PyUnicode_Check(path)
+                || !PyLong_Check(size_obj)) {
+                goto undo;
+            }
+            fname = (const char *)PyUnicode_DATA(field);
+            fname_len = PyUnicode_GET_LENGTH(field);
+            size = PyLong_AsLongLong(size_obj);
+            if (size == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                goto undo;
+            }
+            if (size < 0 || size >= USTAR_SIZE_LIMIT) {
+                goto undo;
+            }
+            if (sorts) {
+                if (prev != NULL && PyUnicode_Compare(prev, field) >= 0) {
+                    goto undo; /* not in field order: the Python code sorts it */
+                }
+                prev = field;
+            }
+            if (with_label) {
+                int c = PyUnicode_Compare(field, label_field);
+                if (c == 0) {
+                    goto undo; /* a file field named like the label: the Python code decides */
+                }
+                if (c > 0) { /* the label goes first, in field-name order */
+                    int r = push_member(b, label_field, lf, lf_len, label_len, label_text, key_len,
+                                        &added);
+                    if (r <= 0) {
+                        rc = r;
+                        goto undo;
+                    }
+                    with_label = 0;
+                }
+            }
+        }
+        else if (with_label) {
+            int r = push_member(b, label_field, lf, lf_len, label_len, label_text, key_len,
+                                &added);
+            if (r <= 0) {
+                rc = r;
+                goto undo;
+            }
+            break;
+        }
+        else {
+            break;
+        }
+        int r = push_member(b, field, fname, fname_len, size, NULL, key_len, &added);
+        if (r <= 0) {
+            rc = r;
+            goto undo;
+        }
+        Member *m = &b->m[b->n - 1];
+        Py_ssize_t plen;
+        const char *cpath = PyUnicode_AsUTF8AndSize(path, &plen);
+        if (cpath == NULL || (Py_ssize_t)strlen(cpath) != plen) {
+            PyErr_Clear(); /* surrogates or NUL: the Python code reports it */
+            goto undo;
+        }
+        Py_INCREF(path);
+        m->path = path;
+        m->cpath = cpath;
+        const char *slash = strrchr(cpath, '/');
+        m->dir_len = slash == NULL ? -1 : (Py_ssize_t)(slash - cpath);
+    }
+    if (b->ns == b->scap) {
+        Py_ssize_t cap = b->scap ? b->scap * 2 : 128;
+        SampleRec *s = PyMem_Realloc(b->s, (size_t)cap * sizeof(SampleRec));
+        if (s == NULL) {
+            PyErr_NoMemory();
+            rc = -1;
+            goto undo;
+        }
+        b->s = s;
+        b->scap = cap;
+    }
+    SampleRec *rec = &b->s[b->ns++];
+    Py_INCREF(key);
+    rec->key = key;
+    rec->ckey = ckey;
+    rec->key_len = key_len;
+    rec->first = mark;
+    rec->count = b->n - mark;
+    rec->out_off = 0;
+    *bytes += added;
+    rc = 1;
+    goto done;
+undo:
+    for (Py_ssize_t i = mark; i < b->n; i++) {
+        Py_XDECREF(b->m[i].path);
+        Py_XDECREF(b->m[i].field);
+    }
+    b->n = mark;
+done:
+    Py_DECREF(key);
+    Py_XDECREF(files);
+    Py_XDECREF(label);
+    return rc;
+}
+
+static void
+octal(char *dst, int width, unsigned long long v)
+{
+    /* width-1 octal digits, zero-filled, then NUL (Python's b"%0*o\0") */
+    dst[width - 1] = '\0';
+    for (int i = width - 2; i >= 0; i--) {
+        dst[i] = (char)('0' + (v & 7));
+        v >>= 3;
+    }
+}
+
+static void
+write_header(char *h, const char *key, Py_ssize_t key_len, const char *fname,
+             Py_ssize_t fname_len, long long size)
+{
+    memset(h, 0, BLOCK);
+    memcpy(h, key, (size_t)key_len);
+    h[key_len] = '.';
+    memcpy(h + key_len + 1, fname, (size_t)fname_len);
+    octal(h + 100, 8, 0444);
+    octal(h + 108, 8, 0);
+    octal(h + 116, 8, 0);
+    octal(h + 124, 12, (unsigned long long)size);
+    octal(h + 136, 12, 0);
+    memset(h + 148, ' ', 8);
+    h[156] = '0';
+    memcpy(h + 257, "ustar\0" "00", 8);
+    unsigned int sum = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        sum += (unsigned char)h[i];
+    }
+    octal(h + 148, 7, sum); /* six digits and a NUL; h[155] stays ' ' */
+}
+
+/* Read `m`'s file into dst (room for m->size + 1 bytes).  Returns the bytes read, or -1 when the
+ * file cannot be read in full here (the Python code retries it). */
+static long long
+read_member(Member *m, char *dst, int *dfd, char *cur_dir, Py_ssize_t *cur_len)
+{
+    const char *name = m->cpath;
+    int at = AT_FDCWD;
+    if (m->dir_len > 0 && m->dir_len < PATH_MAX) {
+        if (*cur_len != m->dir_len || memcmp(cur_dir, m->cpath, (size_t)m->dir_len) != 0) {
+            if (*dfd >= 0) {
+                close(*dfd);
+            }
+            memcpy(cur_dir, m->cpath, (size_t)m->dir_len);
+            cur_dir[m->dir_len] = '\0';
+            *cur_len = m->dir_len;
+            *dfd = open(cur_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        }
+        if (*dfd >= 0) {
+            at = *dfd;
+            name = m->cpath + m->dir_len + 1;
+        }
+    }
+    int fd = openat(at, name, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return -1;
+    }
+    /* One read, as the Python code does: a short read of a regular file is its end, and
+     * m->size + 1 bytes mean it grew since the scan. */
+    ssize_t got;
+    do {
+        got = read(fd, dst, (size_t)m->size + 1);
+    } while (got < 0 && errno == EINTR);
+    close(fd);
+    return got < 0 || got > m->size ? -1 : (long long)got;
+}
+
+static PyObject *
+tarpack_fill(PyObject *self, PyObject *args)
+{
+    PyObject *samples, *names, *label_field, *check, *out;
+    Py_ssize_t start;
+    long long base_pos, base_key, base_row, cap;
+    if (!PyArg_ParseTuple(args, "O!nO!UOLLLLO", &PyList_Type, &samples, &start, &PyDict_Type,
+                          &names, &label_field, &check, &base_pos, &base_key, &base_row, &cap,
+                          &out)) {
+        return NULL;
+    }
+    Py_ssize_t total = PyList_GET_SIZE(samples);
+    if (start < 0 || start > total) {
+        PyErr_SetString(PyExc_ValueError, "start out of range");
+        return NULL;
+    }
+    Batch b = {0};
+    Py_buffer view = {0};
+    int have_view = 0;
+    PyObject *data = NULL, *result = NULL;
+    long long bytes = 0;
+    int slow = 0;
+    Py_ssize_t i = start;
+    /* Phase 1 (GIL held): collect the members of the samples that fit in `cap`. */
+    for (; i < total; i++) {
+        if (b.ns > 0 && bytes >= cap) {
+            break;
+        }
+        int r = take_sample(&b, PyList_GET_ITEM(samples, i), label_field, &bytes);
+        if (r < 0) {
+            goto error;
+        }
+        if (r == 0) {
+            slow = 1;
+            break;
+        }
+    }
+    char *buf;
+    if (out != Py_None) {
+        if (PyObject_GetBuffer(out, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            goto error;
+        }
+        have_view = 1;
+        if (view.len < (Py_ssize_t)bytes + 1) { /* a sample larger than `out`: a bytes of its own */
+            PyBuffer_Release(&view);
+            have_view = 0;
+        }
+    }
+    if (have_view) {
+        buf = view.buf;
+    }
+    else {
+        data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)bytes + 1);
+        if (data == NULL) {
+            goto error;
+        }
+        buf = PyBytes_AS_STRING(data);
+    }
+    Py_ssize_t off = 0, done_samples = b.ns;
+    /* Phase 2 (GIL released): read the files and lay out the members. */
+    Py_BEGIN_ALLOW_THREADS
+    int dfd = -1;
+    char cur_dir[PATH_MAX];
+    Py_ssize_t cur_len = -1;
+    for (Py_ssize_t k = 0; k < b.ns; k++) {
+        SampleRec *rec = &b.s[k];
+        rec->out_off = off;
+        int failed = 0;
+        for (Py_ssize_t j = rec->first; j < rec->first + rec->count; j++) {
+            Member *m = &b.m[j];
+            char *dst = buf + off + BLOCK;
+            long long got;
+            if (m->path == NULL) {
+                memcpy(dst, m->label, (size_t)m->size);
+                got = m->size;
+            }
+            else {
+                got = read_member(m, dst, &dfd, cur_dir, &cur_len);
+                if (got < 0) {
+                    failed = 1;
+                    break;
+                }
+            }
+            write_header(buf + off, rec->ckey, rec->key_len, m->fname, m->fname_len, got);
+            m->got = got;
+            m->data_off = off + BLOCK;
+            Py_ssize_t p = padded(got);
+            memset(dst + got, 0, (size_t)(p - got));
+            off += BLOCK + p;
+        }
+        if (failed) {
+            off = rec->out_off;
+            done_samples = k;
+            slow = 1;
+            break;
+        }
+    }
+    if (dfd >= 0) {
+        close(dfd);
+    }
+    Py_END_ALLOW_THREADS
+    Py_ssize_t written = done_samples; /* b.ns stays: batch_free releases every key taken */
+    if (data != NULL) {
+        if (_PyBytes_Resize(&data, off) < 0) {
+            goto error;
+        }
+        buf = PyBytes_AS_STRING(data);
+    }
+    else {
+        data = Py_None;
+        Py_INCREF(data);
+    }
+    /* Phase 3 (GIL held): index columns and checksums of the samples written. */
+    Py_ssize_t rows = written ? b.s[written - 1].first + b.s[written - 1].count : 0;
+    Py_ssize_t key_bytes = 0;
+    for (Py_ssize_t k = 0; k < written; k++) {
+        key_bytes += b.s[k].key_len;
+    }
+    PyObject *keys = PyBytes_FromStringAndSize(NULL, key_bytes);
+    PyObject *key_offsets = PyBytes_FromStringAndSize(NULL, written * 8);
+    PyObject *starts = PyBytes_FromStringAndSize(NULL, written * 8);
+    PyObject *name_ids = PyBytes_FromStringAndSize(NULL, rows * 2);
+    PyObject *offsets = PyBytes_FromStringAndSize(NULL, rows * 8);
+    PyObject *lengths = PyBytes_FromStringAndSize(NULL, rows * 8);
+    PyObject *checksums = PyBytes_FromStringAndSize(NULL, rows * 8);
+    if (!keys || !key_offsets || !starts || !name_ids || !offsets || !lengths || !checksums) {
+        goto columns_error;
+    }
+    char *kp = PyBytes_AS_STRING(keys);
+    uint64_t *ko = (uint64_t *)PyBytes_AS_STRING(key_offsets);
+    uint64_t *st = (uint64_t *)PyBytes_AS_STRING(starts);
+    uint16_t *ni = (uint16_t *)PyBytes_AS_STRING(name_ids);
+    uint64_t *of = (uint64_t *)PyBytes_AS_STRING(offsets);
+    uint64_t *ln = (uint64_t *)PyBytes_AS_STRING(lengths);
+    uint64_t *ck = (uint64_t *)PyBytes_AS_STRING(checksums);
+    uint64_t kpos = (uint64_t)base_key;
+    for (Py_ssize_t k = 0; k < written; k++) {
+        SampleRec *rec = &b.s[k];
+        memcpy(kp, rec->ckey, (size_t)rec->key_len);
+        kp += rec->key_len;
+        kpos += (uint64_t)rec->key_len;
+        ko[k] = kpos;
+        st[k] = (uint64_t)base_row + (uint64_t)rec->first;
+        for (Py_ssize_t j = rec->first; j < rec->first + rec->count; j++) {
+            Member *m = &b.m[j];
+            PyObject *id = PyDict_GetItemWithError(names, m->field);
+            long v;
+            if (id == NULL) {
+                if (PyErr_Occurred()) {
+                    goto columns_error;
+                }
+                v = (long)PyDict_GET_SIZE(names);
+                PyObject *nv = PyLong_FromLong(v);
+                if (nv == NULL || PyDict_SetItem(names, m->field, nv) < 0) {
+                    Py_XDECREF(nv);
+                    goto columns_error;
+                }
+                Py_DECREF(nv);
+            }
+            else {
+                v = PyLong_AsLong(id);
+                if (v == -1 && PyErr_Occurred()) {
+                    goto columns_error;
+                }
+            }
+            if (v < 0 || v > 0xFFFF) {
+                PyErr_SetString(PyExc_OverflowError, "more than 65536 field names in one shard");
+                goto columns_error;
+            }
+            ni[j] = (uint16_t)v;
+            of[j] = (uint64_t)base_pos + (uint64_t)m->data_off;
+            ln[j] = (uint64_t)m->got;
+            PyObject *view = PyMemoryView_FromMemory(buf + m->data_off, (Py_ssize_t)m->got,
+                                                     PyBUF_READ);
+            if (view == NULL) {
+                goto columns_error;
+            }
+            PyObject *c = PyObject_CallOneArg(check, view);
+            Py_DECREF(view);
+            if (c == NULL) {
+                goto columns_error;
+            }
+            unsigned long long cv = PyLong_AsUnsignedLongLong(c);
+            Py_DECREF(c);
+            if (cv == (unsigned long long)-1 && PyErr_Occurred()) {
+                goto columns_error;
+            }
+            ck[j] = (uint64_t)cv;
+        }
+    }
+    result = Py_BuildValue("(nNnNNNNNNNN)", start + written, PyBool_FromLong(slow), off, data,
+                           keys, key_offsets, starts, name_ids, offsets, lengths, checksums);
+    data = NULL;
+    if (have_view) {
+        PyBuffer_Release(&view);
+    }
+    batch_free(&b);
+    return result;
+columns_error:
+    Py_XDECREF(keys);
+    Py_XDECREF(key_offsets);
+    Py_XDECREF(starts);
+    Py_XDECREF(name_ids);
+    Py_XDECREF(offsets);
+    Py_XDECREF(lengths);
+    Py_XDECREF(checksums);
+error:
+    Py_XDECREF(data);
+    if (have_view) {
+        PyBuffer_Release(&view);
+    }
+    batch_free(&b);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"fill", tarpack_fill, METH_VARARGS,
+     "Read and lay out the tar members of a run of samples (see the module's source header)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "shardio._tarpack",
+    "The hot loop of a tar pack in C (shardio/_tarpack.c).", -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__tarpack(void)
+{
+    return PyModule_Create(&module);
+}
