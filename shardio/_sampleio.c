@@ -5,12 +5,13 @@
  *         lo, hi, names)
  *       holds a shard index (shardio.formats.base.ShardIndex's arrays, C-contiguous, native
  *       byte order; lo/hi its spans()) and its field names (a tuple of str).
- *   Index.get(fd, i, check) -> dict | None
+ *   Index.get(fd, i, check, on_read=None) -> dict | None
  *       sample i as {"__key__": key, field: bytes, ...} (fields in row order), read from file
  *       descriptor fd with one preadv of the sample's span [lo[i], hi[i]): each field's bytes
  *       land in a new bytes object, the headers and padding between fields in a scratch buffer
  *       (the GIL is released during the read).  `check`, when not None, is called on each field
- *       (the shard's per-sample checksum function) and must return the index's value.
+ *       (the shard's per-sample checksum function) and must return the index's value;
+ *       `on_read`, when not None, is called with the bytes read once they all checked out.
  *
  * It returns None, and the caller reads the sample with the Python code (which raises the typed
  * error), whenever something is off or not plain: a compressed field, fields out of offset order
@@ -118,8 +119,8 @@ index_get(IndexObject *self, PyObject *args)
 {
     int fd;
     Py_ssize_t i;
-    PyObject *check;
-    if (!PyArg_ParseTuple(args, "inO", &fd, &i, &check)) {
+    PyObject *check, *on_read = Py_None;
+    if (!PyArg_ParseTuple(args, "inO|O", &fd, &i, &check, &on_read)) {
         return NULL;
     }
     if (i < 0 || i >= self->samples) {
@@ -197,6 +198,15 @@ index_get(IndexObject *self, PyObject *args)
             }
         }
     }
+    if (on_read != Py_None) {
+        PyObject *n = PyLong_FromSsize_t((Py_ssize_t)want);
+        PyObject *r = n == NULL ? NULL : PyObject_CallOneArg(on_read, n);
+        Py_XDECREF(n);
+        if (r == NULL) {
+            goto error;
+        }
+        Py_DECREF(r);
+    }
     PyObject *sample = PyDict_New();
     if (sample == NULL) {
         goto error;
@@ -236,7 +246,8 @@ error:
 
 static PyMethodDef index_methods[] = {
     {"get", (PyCFunction)index_get, METH_VARARGS,
-     "get(fd, i, check) -> dict | None: sample i read with one preadv (see the module source)."},
+     "get(fd, i, check, on_read=None) -> dict | None: sample i read with one preadv (see the "
+     "module source)."},
     {NULL, NULL, 0, NULL},
 };
 

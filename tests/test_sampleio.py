@@ -28,8 +28,8 @@ class _Counting:
         self.hits = 0
         self.misses = 0
 
-    def get(self, fd: int, i: int, check: Any) -> Any:
-        sample = self.cidx.get(fd, i, check)
+    def get(self, fd: int, i: int, check: Any, on_read: Any = None) -> Any:
+        sample = self.cidx.get(fd, i, check, on_read)
         if sample is None:
             self.misses += 1
         else:

@@ -543,19 +543,17 @@ class ShardReader:
 
     def get(self, i: int) -> dict[str, Any]:
         """Sample ``i`` with one ``pread`` and no bounds check (hot path of shuffled reads)."""
+        cidx = self._cidx
+        if cidx is not None and self.arena is None and not _inject.ACTIVE:
+            # One preadv, each field straight into its bytes (shardio/_sampleio.c); None when
+            # anything is off, and then the code below reads it again and raises.
+            fd = self._hfd if self._hpid == _PID[0] and self._hfd is not None else self._fd()
+            sample = cidx.get(fd, i, self._check if self.verify else None, self.on_read)
+            if sample is not None:
+                return sample  # type: ignore[no-any-return]
         v = self._views()
         start = v[8][i]
         if self.arena is None:
-            cidx = self._cidx
-            if cidx is not None and not _inject.ACTIVE:
-                # One preadv, each field straight into its bytes (shardio/_sampleio.c); None
-                # when anything is off, and then the code below reads it and raises.
-                fd = self._hfd if self._hpid == _PID[0] and self._hfd is not None else self._fd()
-                sample = cidx.get(fd, i, self._check if self.verify else None)
-                if sample is not None:
-                    if self.on_read is not None:
-                        self.on_read(v[9][i] - start)
-                    return sample  # type: ignore[no-any-return]
             return self._decode(i, start, self.read_span(start, v[9][i]))
         return self._decode(i, start, *self._span(start, v[9][i]))
 
