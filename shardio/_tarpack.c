@@ -111,6 +111,19 @@ padded(long long n)
     return (Py_ssize_t)(((n + BLOCK - 1) / BLOCK) * BLOCK);
 }
 
+/* A str whose characters are all ASCII (then PyUnicode_DATA holds its bytes). */
+static int
+ascii_str(PyObject *s)
+{
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(s) < 0) { /* legacy strings (3.11 and older) */
+        PyErr_Clear();
+        return 0;
+    }
+#endif
+    return PyUnicode_IS_ASCII(s);
+}
+
 /* Append a member named <key>.<fname>: a file's (label NULL; the caller sets its path) or the
  * label's (its text).  1: added; 0: the name needs a pax header (the Python code writes it);
  * -1: out of memory. */
@@ -162,7 +175,7 @@ take_sample(Batch *b, PyObject *obj, PyObject *label_field, long long *bytes)
         rc = -1;
         goto done;
     }
-    if (!PyUnicode_Check(key) || !PyUnicode_IS_ASCII(key) || !PyList_Check(files)) {
+    if (!PyUnicode_Check(key) || !ascii_str(key) || !PyList_Check(files)) {
         goto done;
     }
     Py_ssize_t key_len = PyUnicode_GET_LENGTH(key);
@@ -203,7 +216,7 @@ take_sample(Batch *b, PyObject *obj, PyObject *label_field, long long *bytes)
             field = PyTuple_GET_ITEM(t, 0);
             path = PyTuple_GET_ITEM(t, 1);
             PyObject *size_obj = PyTuple_GET_ITEM(t, 2);
-            if (!PyUnicode_Check(field) || !PyUnicode_IS_ASCII(field) || !PyUnicode_Check(path)
+            if (!PyUnicode_Check(field) || !ascii_str(field) || !PyUnicode_Check(path)
                 || !PyLong_Check(size_obj)) {
                 goto undo;
             }
