@@ -5,7 +5,7 @@
  *         lo, hi, names)
  *       holds a shard index (shardio.formats.base.ShardIndex's arrays, C-contiguous, native
  *       byte order; lo/hi its spans()) and its field names (a tuple of str).
- *   Index.get(fd, i, check, on_read=None) -> dict | None
+ *   Index.get(fd, i, check, on_read=None) -> dict | tuple | None
  *       sample i as {"__key__": key, field: bytes, ...} (fields in row order), read from file
  *       descriptor fd with one preadv of the sample's span [lo[i], hi[i]): each field's bytes
  *       land in a new bytes object, the headers and padding between fields in a scratch buffer
@@ -13,11 +13,13 @@
  *       (the shard's per-sample checksum function) and must return the index's value;
  *       `on_read`, when not None, is called with the bytes read once they all checked out.
  *
- * It returns None, and the caller reads the sample with the Python code (which raises the typed
- * error), whenever something is off or not plain: a compressed field, fields out of offset order
- * or with a gap wider than the scratch buffer, a short read or an I/O error, a checksum that
- * does not match.  That is ShardReader.get's fast path (shardio/formats/base.py): one copy from
- * the page cache instead of two, and no per-field Python code.
+ * It returns None when the sample is not plain, and the caller reads it with the Python code: a
+ * compressed field, fields out of offset order or with a gap wider than the scratch buffer, a
+ * key that is not UTF-8.  A fault comes back as a tuple for the caller to raise as its typed
+ * error (so it is counted and fails over like any other): ("io", errno) when preadv failed,
+ * ("short", bytes_read) when the file ended early, ("checksum", row, found) when a field does
+ * not match the index.  That is ShardReader.get's fast path (shardio/formats/base.py): one copy
+ * from the page cache instead of two, and no per-field Python code.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -112,6 +114,14 @@ index_init(IndexObject *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
+static void
+release_fields(PyObject **fields, Py_ssize_t made)
+{
+    for (Py_ssize_t r = 0; r < made; r++) {
+        Py_DECREF(fields[r]);
+    }
+}
+
 #define U64(self, a, i) (((const uint64_t *)(self)->views[a].buf)[i])
 
 static PyObject *
@@ -177,8 +187,14 @@ index_get(IndexObject *self, PyObject *args)
             got = preadv(fd, iov, niov, (off_t)lo);
         } while (got < 0 && errno == EINTR);
         Py_END_ALLOW_THREADS
+        if (got < 0) {
+            int err = errno;
+            release_fields(fields, made);
+            return Py_BuildValue("(si)", "io", err);
+        }
         if (got != want) {
-            goto fallback; /* short read or error: the Python code reports it */
+            release_fields(fields, made);
+            return Py_BuildValue("(sn)", "short", (Py_ssize_t)got);
         }
     }
     if (check != Py_None) {
@@ -194,7 +210,8 @@ index_get(IndexObject *self, PyObject *args)
                 goto error;
             }
             if ((uint64_t)v != sums[r0 + (uint64_t)r]) {
-                goto fallback; /* the Python code raises ChecksumMismatchError */
+                release_fields(fields, made);
+                return Py_BuildValue("(sKK)", "checksum", (unsigned long long)(r0 + r), v);
             }
         }
     }

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,3 +128,33 @@ def world_tmp() -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def strace_or_skip() -> str:
+    """The strace binary, or skip the test when it is missing or ptrace is not permitted."""
+    import shutil
+    import subprocess
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace not installed")
+    probe = subprocess.run([strace, "-f", "-o", "/dev/null", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"ptrace not permitted here: {probe.stderr.decode().strip()}")
+    return strace
+
+
+def run_with_eio(script: Path, target: Path, syscall: str, when: int) -> dict[str, Any]:
+    """Run python ``script`` under strace, failing its ``when``-th ``syscall`` on file ``target``
+    with a real EIO; return the JSON object its last line of output holds."""
+    import json
+    import subprocess
+    import sys
+
+    strace = strace_or_skip()
+    proc = subprocess.run(
+        [strace, "-f", "-o", "/dev/null", "-P", str(target), "-e", f"trace={syscall}",
+         "-e", f"inject={syscall}:error=EIO:when={when}", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]

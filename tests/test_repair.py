@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from shardio import Manifest, PackOptions, pack
 from shardio.errors import ChecksumMismatchError, ShardNotFoundError, UnrepairableError
 from shardio.reader import DatasetReader
 from shardio.verify import verify_dataset
+from tests.conftest import run_with_eio
 from tools.faults import corrupt_dataset, flip_bits
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,12 +263,6 @@ def test_eio_injected_with_strace_fails_over(data, tmp_path: Path) -> None:
     """A real EIO from the kernel's point of view of the process: strace makes the first
     ``pread64`` fail; the reader moves to the replica and still delivers every sample."""
     root, replica, clean = data
-    strace = shutil.which("strace")
-    if strace is None:
-        pytest.skip("strace not installed")
-    probe = subprocess.run([strace, "-f", "-o", "/dev/null", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"ptrace not permitted here: {probe.stderr.decode().strip()}")
     script = tmp_path / "read.py"
     script.write_text(textwrap.dedent(f"""
         import json, sys
@@ -279,14 +273,7 @@ def test_eio_injected_with_strace_fails_over(data, tmp_path: Path) -> None:
         print(json.dumps({{"n": len(keys), "counters": r.counters.snapshot()}}))
     """))
     target = root / Manifest.load(root).shards[2].path  # -P: only syscalls on this file
-    proc = subprocess.run(
-        [strace, "-f", "-o", "/dev/null", "-P", str(target), "-e", "trace=pread64",
-         "-e", "inject=pread64:error=EIO:when=1", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    import json
-
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_with_eio(script, target, "pread64", when=1)
     assert out["n"] == len(clean)
     assert out["counters"]["io_error"] == 1 and out["counters"]["failovers"] == 1
 

@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 
 import shardio
-import shardio.formats.base as base
 from shardio.errors import ChecksumMismatchError, ShardTruncatedError
-from shardio.formats import ShardReader
-from tests.conftest import flip_bit, truncate
+from shardio.formats import ShardReader, base
+from tests.conftest import flip_bit, run_with_eio, truncate
 from tests.test_formats import pack_into
 from tests.test_pack import write_files
 
@@ -95,6 +94,9 @@ def test_flipped_bit_raises_through_python(tmp_path: Path) -> None:
     with pytest.raises(ChecksumMismatchError) as ei:
         reader.get(i)
     assert "c0/s003" in str(ei.value)
+    with pytest.raises(ChecksumMismatchError) as py:
+        _python_get(reader, i)
+    assert str(ei.value) == str(py.value)  # the same report as the Python read's
     assert reader.get(i + 1) == _python_get(reader, i + 1)  # its neighbours still read
     reader.verify = False  # and without checks, both paths give the damaged bytes
     assert reader.get(i) == _python_get(reader, i)
@@ -106,7 +108,7 @@ def test_truncated_shard_raises_through_python(tmp_path: Path) -> None:
     reader = _readers(out)[0]
     assert reader.get(0) is not None  # the descriptor is open
     i = 33
-    lo, hi = reader.index.span(i)
+    lo, _hi = reader.index.span(i)
     truncate(reader.path, lo + 10)
     with pytest.raises(ShardTruncatedError, match=f"short read at offset {lo} "):
         reader.get(i)
@@ -124,3 +126,31 @@ def test_index_rejects_arrays_of_the_wrong_width() -> None:
         base._SampleIndex(b"", u8, u8, np.zeros(2, np.uint16), np.zeros(1, np.uint8),
                           np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(1, np.uint64),
                           np.zeros(1, np.int64), np.zeros(1, np.int64), ("a",))
+
+
+def test_eio_is_raised_counted_and_failed_over(tmp_path: Path) -> None:
+    """A real EIO on the C read's preadv (strace injects it, once): the reader counts it and
+    moves to the replica, as it does for the Python read's pread; no sample is lost."""
+    import shutil
+    import textwrap
+
+    root, replica = tmp_path / "ds", tmp_path / "replica"
+    pack_into(_tree(tmp_path / "src"), root, "tar", samples_per_shard=100)
+    shutil.copytree(root, replica)
+    script = tmp_path / "read.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys
+        import numpy as np
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from shardio.reader import DatasetReader
+        r = DatasetReader({str(root)!r}, replicas=[{str(replica)!r}])
+        ids = np.array([3, 1, 7, 5, 0, 9, 2, 8, 6, 4] * 2)  # one at a time: ShardReader.get
+        keys = [s["__key__"] for s in r.read_ids(ids)]
+        print(json.dumps({{"keys": keys, "counters": r.counters.snapshot()}}))
+    """))
+    # The shard's first read goes through Python (pread64); the second is the C path's preadv.
+    out = run_with_eio(script, root / "shard-000000.tar", "preadv", when=2)
+    with shardio.open_dataset(root) as ds:
+        want = [ds.shard(0).index.key(k) for k in [3, 1, 7, 5, 0, 9, 2, 8, 6, 4] * 2]
+    assert out["keys"] == want
+    assert out["counters"]["io_error"] == 1 and out["counters"]["failovers"] == 1

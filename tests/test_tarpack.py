@@ -86,7 +86,7 @@ def _varied_tree(root: Path) -> Path:
 def test_same_bytes_as_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                               small_batches: None, label: bool, workers: int) -> None:
     src = _varied_tree(tmp_path / "src")
-    files, in_c = _pack_both(src, tmp_path / "out", monkeypatch, label_from_dir=label,
+    _files, in_c = _pack_both(src, tmp_path / "out", monkeypatch, label_from_dir=label,
                              samples_per_shard=17, workers=workers)
     if workers == 1:  # forked workers count in their own copy of the wrapper
         # The plain samples went through C; pax and non-ASCII keys did not (nor, with a label,
@@ -100,7 +100,7 @@ def test_sample_larger_than_a_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyP
     src = write_files(tmp_path / "src", {
         "a/x.bin": os.urandom(100), "a/y.bin": os.urandom(4 << 20), "a/z.bin": os.urandom(7),
     })
-    files, in_c = _pack_both(src, tmp_path / "out", monkeypatch, shard_size="64MB")
+    _files, in_c = _pack_both(src, tmp_path / "out", monkeypatch, shard_size="64MB")
     assert in_c == 3
     assert read_back(tmp_path / "out" / "c")["a/y"]["bin"] == (src / "a/y.bin").read_bytes()
 

@@ -549,13 +549,31 @@ class ShardReader:
             # anything is off, and then the code below reads it again and raises.
             fd = self._hfd if self._hpid == _PID[0] and self._hfd is not None else self._fd()
             sample = cidx.get(fd, i, self._check if self.verify else None, self.on_read)
+            if type(sample) is dict:
+                return sample
             if sample is not None:
-                return sample  # type: ignore[no-any-return]
+                self._c_fault(i, sample)
         v = self._views()
         start = v[8][i]
         if self.arena is None:
             return self._decode(i, start, self.read_span(start, v[9][i]))
         return self._decode(i, start, *self._span(start, v[9][i]))
+
+    def _c_fault(self, i: int, fault: tuple[Any, ...]) -> None:
+        """Raise what the Python read raises for the fault ``_sampleio`` met reading sample ``i``."""
+        start, end = self.index.span(i)
+        if fault[0] == "io":
+            exc = OSError(fault[1], os.strerror(fault[1]))
+            raise translate_oserror(exc, self.path, f"reading offset {start} of") from exc
+        if fault[0] == "short":
+            self._after_read(start, end - start, fault[1])
+            return  # (not short after all: the Python read tries again)
+        row, found = fault[1], fault[2]
+        idx = self.index
+        raise ChecksumMismatchError(
+            self.path, idx.key(i), idx.field_names[int(idx.f_name[row])], int(idx.f_offset[row]),
+            hex64(int(idx.f_checksum[row])), hex64(found),
+        )
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         """Sample ``i`` as ``{"__key__": key, field: bytes, ...}``.
