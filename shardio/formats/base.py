@@ -33,11 +33,6 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from .. import _inject
-
-try:  # one-preadv sample reads (shardio/_sampleio.c); ShardReader._decode is the reference
-    from .._sampleio import Index as _SampleIndex
-except ImportError:  # pragma: no cover - built with the package on Linux
-    _SampleIndex = None
 from .._fsutil import translate_oserror
 from ..checksum import hex64, sample_checksum_fn
 from ..codec import Codec
@@ -48,6 +43,11 @@ from ..errors import (
     ShardNotFoundError,
     ShardTruncatedError,
 )
+
+try:  # one-preadv sample reads (shardio/_sampleio.c); ShardReader._decode is the reference
+    from .._sampleio import Index as _SampleIndex
+except ImportError:  # pragma: no cover - built with the package on Linux
+    _SampleIndex = None
 
 __all__ = ["IndexBuilder", "ShardIndex", "ShardReader", "ShardWriter", "WrittenShard"]
 

@@ -309,8 +309,8 @@ class TarWriter(ShardWriter):
 
         Returns the index of the first sample not added: ``len(samples)``, or a sample the C
         code leaves to the caller (see shardio/_tarpack.c: pax names, compression, a file it
-        cannot read, ...), which must then go through :meth:`add`.  The bytes and the index are
-        the same as :meth:`add` gives for those samples, with fields read by the caller.
+        cannot read, ...), which must then go through :meth:`add`.  The shard bytes and the index
+        rows are exactly what :meth:`add` writes for the same samples.
         """
         index = self._index
         n = len(samples)
@@ -337,7 +337,7 @@ class TarWriter(ShardWriter):
                 self._pending += length
                 self._pos += length
                 # Always handed on at once, so a buffer is refilled only after it was written:
-                # the writer holds at most two batches, the others (_BUFFERS) are free.
+                # the writer thread holds at most _WRITEBACK_DEPTH batches, the last buffer is free.
                 self._flush_behind()
             if slow:
                 break
