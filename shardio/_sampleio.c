@@ -241,23 +241,17 @@ index_get(IndexObject *self, PyObject *args)
         PyObject *name = PyTuple_GET_ITEM(self->names, fname[r0 + (uint64_t)r]);
         bad = PyDict_SetItem(sample, name, fields[r]) < 0;
     }
-    for (Py_ssize_t r = 0; r < made; r++) {
-        Py_DECREF(fields[r]);
-    }
+    release_fields(fields, made);
     if (bad) {
         Py_DECREF(sample);
         return NULL;
     }
     return sample;
 fallback:
-    for (Py_ssize_t r = 0; r < made; r++) {
-        Py_DECREF(fields[r]);
-    }
+    release_fields(fields, made);
     Py_RETURN_NONE;
 error:
-    for (Py_ssize_t r = 0; r < made; r++) {
-        Py_DECREF(fields[r]);
-    }
+    release_fields(fields, made);
     return NULL;
 }
 
