@@ -18,9 +18,9 @@ FORMATS = ("tar", "hdf5")
 
 
 PARITY_MAX_BLOCKS = 256  # zfec's limit on K + M
-# Seconds a process forked from the training process (loader worker, ring-sizing child, node
-# stager) may take to reach its own code before it is taken for stuck inside fork and
-# replaced: the "Stuck start" section of shardio.pool says why.
+# Seconds a process forked from the training process (loader worker, node stager) may take to
+# reach its own code before it is taken for stuck inside fork and replaced: the "Stuck start"
+# section of shardio.pool says why.
 START_TIMEOUT = 30.0
 
 
@@ -316,7 +316,8 @@ class LoaderOptions:
     Args:
         ring_bytes: shared memory per worker (``"128MiB"`` accepted); ``"auto"`` (default):
             room for ``prefetch_factor + 1`` batches the size of the epoch's first batch
-            (estimated from its first 16 samples, built once in a forked child), 8-256 MiB.
+            (as the worker that made it reports; see "Ring sizing" in :mod:`shardio.pool`),
+            8-256 MiB.
             A batch larger than the ring travels through a pipe (one copy, one warning)
             instead of failing.
         prefetch_factor: batches each worker prepares ahead of the training loop, as
@@ -336,9 +337,9 @@ class LoaderOptions:
             time to notice a dead worker, and how long a worker whose ring stays full waits before
             it sends the batch main is waiting for through its overflow pipe instead.
         max_restarts: worker deaths tolerated per worker before WorkerCrashedError.
-        start_timeout: seconds a freshly forked worker (or the ring-sizing child) may take to
-            reach its own code; one that has not is stuck inside ``fork`` (see "Stuck start" in
-            :mod:`shardio.pool`) and is killed and started again, counted as a restart.
+        start_timeout: seconds a freshly forked worker may take to reach its own code; one
+            that has not is stuck inside ``fork`` (see "Stuck start" in :mod:`shardio.pool`)
+            and is killed and started again, counted as a restart.
         max_held_fraction: when batches the user still holds (not counting the one arriving)
             occupy more than this fraction of a ring, new batches are copied out of the ring
             instead (with a warning).

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import signal
 import time
 import warnings
@@ -30,9 +29,9 @@ from ._fsutil import atomic_write_bytes
 from ._tree import plan_collate, plan_tree, read_header, read_tree
 from .config import LoaderOptions
 from .dataset import ShardDataset, repeat_for_skipped
-from .errors import UsageError, WorkerCrashedError
+from .errors import ShmSpaceError, UsageError, WorkerCrashedError
 from .order import RankPlan
-from .pool import PoolOptions, WorkerPool, _set_pdeathsig
+from .pool import PoolOptions, WorkerPool
 from .stats import LoaderStats
 from .topology import discover_cpus
 
@@ -40,12 +39,8 @@ __all__ = ["ShardLoader"]
 
 log = logging.getLogger("shardio.loader")
 
-AUTO_SAMPLES = 16
-"""``ring_bytes="auto"`` measures a batch of this many samples and scales it to ``batch_size``
-(building a whole first batch would cost a full batch of decoding before any worker starts)."""
 AUTO_RING_MIN = 8 << 20
 AUTO_RING_MAX = 256 << 20
-AUTO_RING_FALLBACK = 64 << 20  # when the sample batch cannot be built in the main process
 
 
 class _Lease(np.ndarray):
@@ -64,7 +59,6 @@ class _Job:
         self.order: Any = None
         self.plan: RankPlan | None = None
         self.cursor = 0
-        self.report = True  # tell the node's stager where this reader is
         self.spare: dict[str, Any] | None = None  # last sample read (see repeat_for_skipped)
 
     def begin(self, spec: dict[str, Any]) -> None:
@@ -99,8 +93,7 @@ class _Job:
         else:
             ids = ds._step_ids(self.order, plan, self.cursor, step)
         self.ahead = None
-        if self.report:
-            ds._report(self.epoch, self.cursor + step * plan.world_size * plan.batch_size)
+        ds._report(self.epoch, self.cursor + step * plan.world_size * plan.batch_size)
         nxt = step + self.stride
         if ds.options.prefetch_shards and nxt < plan.num_batches:
             self.ahead = (nxt, ds._step_ids(self.order, plan, self.cursor, nxt))
@@ -187,7 +180,6 @@ class ShardLoader:
         self._preempt_pending = False
         self.preempted = False
         self._pool: WorkerPool | None = None
-        self._sizer: int | None = None  # the ring-sizing child, until reaped
         self._released: deque[tuple[Any, Any]] = deque()
         self._delivered = 0
         self._warned_copy = False
@@ -223,120 +215,25 @@ class ShardLoader:
             o = self.options
             pool = WorkerPool(
                 _Job(self.dataset, self.collate_fn),
-                PoolOptions(num_workers=self.num_workers, ring_bytes=self._ring_bytes(),
+                PoolOptions(num_workers=self.num_workers,
+                            ring_bytes=self._ring_size if o.ring_bytes == "auto" else o.ring_bytes,
                             shm_dir=o.shm_dir, cpus=self._cpus(), poll_interval=o.poll_interval,
                             max_restarts=o.max_restarts, start_timeout=o.start_timeout),
             )
-            try:
-                pool.start()  # closes itself if it fails: keep no half-started pool around
-            finally:
-                self._reap_sizer()
+            pool.start()  # closes itself if it fails: keep no half-started pool around
             self._pool = pool
         return self._pool
 
-    def _ring_bytes(self) -> int:
-        """``ring_bytes``, or for ``"auto"`` room for ``prefetch_factor + 1`` batches of the size
-        of this epoch's first batch (estimated from its first :data:`AUTO_SAMPLES` samples), in
-        whole MiB between :data:`AUTO_RING_MIN` and :data:`AUTO_RING_MAX`
-        (:data:`AUTO_RING_FALLBACK` if that sample batch cannot be built)."""
-        size = self.options.ring_bytes
-        if size != "auto":
-            return int(size)
-        nbytes = self._sample_batch_bytes()
-        if nbytes is None:
-            size = AUTO_RING_FALLBACK
-        else:
-            want = (self.options.prefetch_factor + 1) * (nbytes + 4096)
-            size = min(AUTO_RING_MAX, max(AUTO_RING_MIN, -(-want // (1 << 20)) << 20))
-        log.info("ring_bytes auto: first batch %s bytes -> %d MiB per worker", nbytes, size >> 20)
+    def _ring_size(self, nbytes: int) -> int:
+        """``ring_bytes="auto"``: room for ``prefetch_factor + 1`` batches of ``nbytes``, the
+        size of the epoch's first batch (built by the worker that produces it; see "Ring
+        sizing" in :mod:`shardio.pool`), in whole MiB between :data:`AUTO_RING_MIN` and
+        :data:`AUTO_RING_MAX`."""
+        want = (self.options.prefetch_factor + 1) * (nbytes + 4096)
+        size = min(AUTO_RING_MAX, max(AUTO_RING_MIN, -(-want // (1 << 20)) << 20))
+        log.info("ring_bytes auto: first batch %d bytes -> %d MiB per worker", nbytes, size >> 20)
         self.ring_bytes = size
         return size
-
-    def _sample_batch_bytes(self, timeout: float = 120.0) -> int | None:
-        """Estimated size of the epoch's first batch: a batch of its first
-        :data:`AUTO_SAMPLES` samples, built in a forked child and scaled to ``batch_size``.  The
-        user's transform and collate run in a process of their own, as in the workers, so
-        nothing they do (CUDA, exit, a crash) touches the training process.  None if it fails
-        or takes over ``timeout``.  A child stuck inside ``fork`` (see ``start_timeout``) is
-        replaced once."""
-        for _attempt in range(2):
-            got = self._size_in_child(timeout)
-            if got != "stuck":
-                return got  # type: ignore[return-value]
-            log.warning("the ring-sizing child was still inside fork %g s after it (see "
-                        "start_timeout); forking another", self.options.start_timeout)
-        return None
-
-    def _size_in_child(self, timeout: float) -> int | None | str:
-        """One sizing child: its figure, None if it failed or overran ``timeout``, or "stuck"
-        if it did not reach its own code within ``start_timeout``."""
-        ds = self.dataset
-        topo = ds.topology
-        k = min(AUTO_SAMPLES, self.batch_size)
-        spec = {"epoch": ds.epoch, "cursor": ds._cursor, "world_size": topo.world_size,
-                "rank": topo.rank, "batch_size": k, "stride": 1}
-        r, w = os.pipe()
-        me = os.getpid()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            code = 0
-            try:
-                os.write(w, b"S")  # out of fork
-                # Like a worker, it runs the user's code: it must not outlive this process
-                # (this thread waits for it, so the signal cannot come from a thread's exit).
-                _set_pdeathsig()
-                if os.getppid() != me:
-                    os._exit(1)
-                os.close(r)
-                job = _Job(ds, self.collate_fn)
-                job.report = False  # a sample batch, not a reader the stager should wait for
-                job.begin(spec)
-                n = job.produce(0)[0].nbytes if job.plan and job.plan.num_batches else 0
-                os.write(w, n.to_bytes(8, "little"))
-            except BaseException:  # noqa: BLE001 - the workers meet it again and report it
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(w)
-        data, stuck = b"", False
-        try:
-            start = time.monotonic()
-            ends = (start + min(self.options.start_timeout, timeout), start + timeout)
-            while len(data) < 9:
-                left = ends[1 if data else 0] - time.monotonic()
-                if left <= 0 or not select.select([r], [], [], left)[0]:
-                    stuck = not data
-                    break
-                chunk = os.read(r, 9 - len(data))
-                if not chunk:  # the child failed (it exits without its figure)
-                    break
-                data += chunk
-        finally:
-            os.close(r)
-            if len(data) < 9:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            # Its exit (tearing down a copy of this process's address space: 2-9 ms) overlaps
-            # the pool's start; _ensure_pool reaps it once the workers are forked.
-            self._sizer = pid
-        if len(data) < 9:
-            self._reap_sizer()
-        if stuck:
-            return "stuck"
-        if len(data) != 9:
-            return None
-        return -(-int.from_bytes(data[1:], "little") * self.batch_size // k)
-
-    def _reap_sizer(self) -> None:
-        """Wait for the child of :meth:`_sample_batch_bytes` (it has sent its figure)."""
-        pid, self._sizer = self._sizer, None
-        if pid is not None:
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:  # a forked copy of this loader: not its child
-                pass
 
     def _cpus(self) -> tuple[int, ...] | None:
         cpus = self.options.cpus
@@ -451,8 +348,9 @@ class ShardLoader:
                     _step, ring, msg = next(it)
                 except StopIteration:
                     break
-                except WorkerCrashedError:
-                    # The pool lost a worker for good: a later iteration starts a fresh one.
+                except (WorkerCrashedError, ShmSpaceError):
+                    # The pool lost a worker for good, or its rings did not fit: a later
+                    # iteration starts a fresh one.
                     self._stats.restarts = pool.restarts
                     self.close()
                     raise
@@ -515,7 +413,6 @@ class ShardLoader:
 
     def close(self) -> None:
         """Stop the workers and release shared memory (also done at garbage collection)."""
-        self._reap_sizer()
         if self._pool is not None:
             self._released.clear()
             self._pool.close()

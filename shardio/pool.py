@@ -2,20 +2,25 @@
 
 Protocol
     Each worker owns one SPSC :class:`~shardio.ring.Ring` (worker produces, main consumes), one
-    control pipe (main → worker, commands only) and one spill pipe (worker → main, used only when
-    the ring cannot take a message, see *Spill*).  Commands are tuples tagged with :class:`Cmd`,
-    pickled behind an 8-byte little-endian length:
+    control socket (main → worker, commands only) and one spill pipe (worker → main, used only
+    when the ring cannot take a message, see *Spill*).  Commands are tuples tagged with
+    :class:`Cmd`, pickled behind an 8-byte little-endian length:
 
     * ``(Cmd.EPOCH, generation, spec, runs)``: call ``job.begin(spec)`` then, for each step of
       ``runs`` (``range`` objects, in order), ``job.produce(step)`` and write the resulting
       message into the ring.  A worker skips a command whose generation is already stale.
+    * ``(Cmd.RING, capacity, directory)``, sent with the ring's file descriptor
+      (``SCM_RIGHTS``): allocate its pages and map it as this worker's ring (see *Ring sizing*).
     * ``(Cmd.STOP,)``: exit.
 
-    Main never blocks on a control pipe: the one party that can unblock a worker that is not
+    The control channel is a Unix stream socket pair (so that it can carry a descriptor); the
+    spill pipe is a ``multiprocessing`` pipe.
+
+    Main never blocks on a control socket: the one party that can unblock a worker that is not
     reading it (blocked on its spill pipe until main reads, or stuck in ``fork``) is main.  Steps
     travel as arithmetic runs (a worker's share of an epoch is ``range(first, n, W)``, what a
     restarted worker redoes is a suffix of it), so a command is a few hundred bytes however long
-    the epoch; and main's end is non-blocking: whatever the pipe does not take at once (a huge
+    the epoch; and main's end is non-blocking: whatever the socket does not take at once (a huge
     ``spec``, a step list with no runs) waits in an outbox that main flushes while it waits for
     batches.
 
@@ -39,6 +44,20 @@ Spill
     looks at the other channel after every wait; steps keep their order because main stashes a
     message that overtook an earlier one through the other channel.  Error messages too large
     for the ring always go through the pipe.
+
+Ring sizing
+    With an explicit size, the rings exist before the workers are forked, and each inherits its
+    own.  With a size computed from the first batch (``PoolOptions.ring_bytes`` a function of
+    its bytes, the loader's ``"auto"``), the workers are forked at once, without rings: a
+    worker whose batch is ready and that has no ring yet sends a 16-byte size report
+    (``b"RINGSIZE"`` + u64 bytes) through its spill pipe and waits for a command.  The first
+    report that main reads (that of the worker producing the epoch's first step) sizes every
+    ring: main checks the space, creates them (unlinked at once), and sends each worker a
+    ``Cmd.RING`` with its ring's descriptor; a report arriving after that is ignored.  So the
+    rings are sized from a real batch, made by a worker (the user's code never runs in main),
+    and created while the other workers are already producing.  A worker that gets another
+    command while it waits drops its batch and obeys it; a worker restarted after the rings
+    exist inherits its ring through ``fork``.
 
 Failure handling
     A worker exception travels back as a :data:`~shardio._tree.KIND_ERROR` message and is raised
@@ -74,6 +93,7 @@ Worker states: STARTING → IDLE ⇄ PRODUCING → STOPPED | DEAD (→ restarted
 
 from __future__ import annotations
 
+import array
 import ctypes
 import gc
 import itertools
@@ -83,11 +103,13 @@ import os
 import pickle
 import select
 import signal
+import socket
+import struct
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
@@ -105,6 +127,7 @@ from .config import START_TIMEOUT
 from .errors import (
     RingClosedError,
     RingTimeoutError,
+    ShmSpaceError,
     UsageError,
     WorkerCrashedError,
     WorkerError,
@@ -144,6 +167,14 @@ def _sweep_once(directory: str | None) -> None:
 class Cmd(IntEnum):
     EPOCH = 1
     STOP = 2
+    RING = 3
+
+
+_SIZE_REPORT = struct.Struct("<8sQ")  # see *Ring sizing*; shorter than any message header
+_SIZE_MAGIC = b"RINGSIZE"
+_EOF = object()  # _recv_spilled: the worker's end of the spill pipe is gone
+_MAX_FDS = 4  # descriptors one read of the control socket can take (one per RING command)
+_GONE = ("gone",)  # _Output.await_ring: main is gone
 
 
 class BatchJob(Protocol):
@@ -159,7 +190,8 @@ class PoolOptions:
     """Worker pool settings (see :class:`~shardio.loader.ShardLoader`)."""
 
     num_workers: int = 2
-    ring_bytes: int = 128 << 20
+    # Bytes per ring, or a function giving them from the first batch's bytes (see *Ring sizing*).
+    ring_bytes: int | Callable[[int], int] = 128 << 20
     shm_dir: str | None = None
     cpus: tuple[int, ...] | None = None
     poll_interval: float = 0.2
@@ -243,34 +275,58 @@ def _frame(cmd: tuple[Any, ...]) -> memoryview:
     return memoryview(len(body).to_bytes(8, "little") + body)
 
 
-def _read_exact(fd: int, n: int, parent: int, poll: float) -> bytes | None:
-    """``n`` bytes from the control pipe, or None once main is gone (EOF, or a new parent:
-    another process may still hold main's end, a fork of main for one)."""
-    waiter = select.poll()  # not select.select: a training process may have fds over 1024
-    waiter.register(fd, select.POLLIN)
-    buf = bytearray()
-    while len(buf) < n:
-        if not waiter.poll(poll * 1000):
-            if os.getppid() != parent:
+class _Control:
+    """Worker end of the control socket: commands, and the descriptors that come with them."""
+
+    def __init__(self, fd: int, parent: int, poll: float) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.parent, self.poll = parent, poll
+        self.waiter = select.poll()  # not select.select: a training process may have fds > 1024
+        self.waiter.register(fd, select.POLLIN)
+        self.fds: deque[int] = deque()  # received, not yet claimed by their command
+
+    def _read_exact(self, n: int) -> bytes | None:
+        """``n`` bytes, or None once main is gone (EOF, or a new parent: another process may
+        still hold main's end, a fork of main for one)."""
+        buf = bytearray()
+        while len(buf) < n:
+            if not self.waiter.poll(self.poll * 1000):
+                if os.getppid() != self.parent:
+                    return None
+                continue
+            try:
+                chunk, fds, _flags, _addr = socket.recv_fds(self.sock, n - len(buf), _MAX_FDS)
+            except OSError:
                 return None
-            continue
-        try:
-            chunk = os.read(fd, n - len(buf))
-        except OSError:
+            self.fds.extend(fds)
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+
+    def read(self) -> Any:
+        """The next command (see *Protocol*), or None once main is gone.  A ``Cmd.RING``
+        comes back as ``(Cmd.RING, fd, directory)``; the caller owns ``fd``."""
+        head = self._read_exact(8)
+        if head is None:
             return None
-        if not chunk:
+        body = self._read_exact(int.from_bytes(head, "little"))
+        if body is None:
             return None
-        buf += chunk
-    return bytes(buf)
+        cmd = pickle.loads(body)
+        if cmd[0] == Cmd.RING:
+            return (Cmd.RING, self.fds.popleft(), cmd[2])
+        return cmd
 
 
-def _read_command(fd: int, parent: int, poll: float) -> Any:
-    """The next command (see *Protocol*), or None once main is gone."""
-    head = _read_exact(fd, 8, parent, poll)
-    if head is None:
-        return None
-    body = _read_exact(fd, int.from_bytes(head, "little"), parent, poll)
-    return None if body is None else pickle.loads(body)
+def _send_with_fd(sock_fd: int, data: memoryview, fd: int | None) -> int:
+    """Write the start of ``data`` to a Unix socket with ``fd`` attached (``SCM_RIGHTS``)."""
+    sock = socket.socket(fileno=sock_fd)
+    try:
+        return sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                      array.array("i", [fd]))])
+    finally:
+        sock.detach()  # the descriptor stays the pool's
 
 
 def _set_pdeathsig() -> None:
@@ -284,11 +340,39 @@ def _set_pdeathsig() -> None:
 class _Output:
     """Worker side of one worker's ring and spill pipe (see *Spill* in the module docstring)."""
 
-    def __init__(self, ring: Ring, data: Any, gen: Any, want: Any, index: int,
+    def __init__(self, ring: Ring | None, data: Any, gen: Any, want: Any, index: int,
                  poll: float, parent: int) -> None:
         self.ring, self.data, self.gen, self.want = ring, data, gen, want
         self.index, self.poll, self.parent = index, poll, parent
         self.spilling = False
+        self.reported = False  # a size report went out (see *Ring sizing*)
+
+    def attach(self, fd: int, directory: str | None) -> None:
+        """Take the ring main sent (``Cmd.RING``) as this worker's; a second one is ignored."""
+        try:
+            if self.ring is None:
+                # Main left the allocation of its pages to this worker (see *Ring sizing*).
+                self.ring = Ring.from_fd(fd, reserve=True, directory=directory)
+                self.ring.become_producer()
+        finally:
+            os.close(fd)
+
+    def await_ring(self, control: _Control, nbytes: int) -> Any:
+        """Report a ready batch of ``nbytes`` (once) and wait for the ring: None once it is
+        attached, else the command that came instead (None for main gone: ``_GONE``)."""
+        if not self.reported:
+            self.reported = True
+            try:
+                self.data.send_bytes(_SIZE_REPORT.pack(_SIZE_MAGIC, nbytes))
+            except OSError:  # main closed its end: the pool is closing
+                return _GONE
+        cmd = control.read()
+        if cmd is None:
+            return _GONE
+        if cmd[0] != Cmd.RING:
+            return cmd
+        self.attach(cmd[1], cmd[2])
+        return None
 
     def deliver(self, plan: Plan, step: int, times: list[float], generation: int,
                 kind: int = KIND_BATCH) -> Sent:
@@ -298,7 +382,7 @@ class _Output:
         the spill pipe (one copy) instead of failing.
         """
         nbytes = plan.nbytes
-        if nbytes > self.ring.max_message:
+        if self.ring is None or nbytes > self.ring.max_message:  # no ring: only errors get here
             return self._spill(plan, step, times, generation, kind)
         first = True
         while True:
@@ -358,7 +442,7 @@ def _write(plan: Plan, buf: memoryview, step: int, times: list[float], kind: int
         write_times(buf, done)
 
 
-def _worker_main(job: BatchJob, ring: Ring, ctl: int, data: Any, gen: Any, want: Any,
+def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any, want: Any,
                  started: Any, index: int, cpus: Sequence[int] | None, parent: int,
                  poll: float, main_ends: Sequence[Any], pdeathsig: bool) -> None:
     started[index] = os.getpid()  # out of fork: see "Stuck start" in the module docstring
@@ -369,7 +453,7 @@ def _worker_main(job: BatchJob, ring: Ring, ctl: int, data: Any, gen: Any, want:
     # Main's ends of the pipes (this worker's and its siblings') came along with fork; a copy held
     # here would keep a pipe open after main closes it, and a send on it could then block forever.
     for c in main_ends:
-        if isinstance(c, int):  # a control pipe's end
+        if isinstance(c, int):  # a control socket's end
             os.close(c)
         else:
             c.close()
@@ -387,13 +471,22 @@ def _worker_main(job: BatchJob, ring: Ring, ctl: int, data: Any, gen: Any, want:
             os.sched_setaffinity(0, {cpus[index % len(cpus)]})
         except OSError as exc:
             log.warning("worker %d: cannot pin to CPU %s: %s", index, cpus[index % len(cpus)], exc)
-    ring.become_producer()
+    if ring is not None:
+        ring.become_producer()
+    control = _Control(ctl, parent, poll)
     out = _Output(ring, data, gen, want, index, poll, parent)
+    cmd = None
     while True:
-        cmd = _read_command(ctl, parent, poll)
+        if cmd is None:
+            cmd = control.read()
         if cmd is None or cmd[0] == Cmd.STOP:
             return
+        if cmd[0] == Cmd.RING:  # came while idle (its epoch was abandoned)
+            out.attach(cmd[1], cmd[2])
+            cmd = None
+            continue
         _, generation, spec, runs = cmd
+        cmd = None
         if gen.value != generation:  # superseded before it started: not worth a begin()
             continue
         step = runs[0][0] if runs else -1
@@ -403,13 +496,20 @@ def _worker_main(job: BatchJob, ring: Ring, ctl: int, data: Any, gen: Any, want:
                 if gen.value != generation:
                     break
                 plan, times = job.produce(step)
+                if out.ring is None:
+                    cmd = out.await_ring(control, plan.nbytes)
+                    if cmd is _GONE:
+                        return
+                    if cmd is not None:  # a newer command: this batch is not wanted any more
+                        break
                 sent = out.deliver(plan, step, times, generation)
                 if sent == Sent.CLOSED:
                     return
                 if sent == Sent.ABANDONED:
                     break
         except BaseException as exc:  # noqa: BLE001 - everything goes back to main
-            ring.abort()
+            if out.ring is not None:
+                out.ring.abort()
             plan = error_message(exc, traceback.format_exc())
             if out.deliver(plan, step, [], generation, kind=KIND_ERROR) == Sent.CLOSED:
                 return
@@ -418,13 +518,15 @@ def _worker_main(job: BatchJob, ring: Ring, ctl: int, data: Any, gen: Any, want:
 @dataclass
 class _Worker:
     index: int
-    ring: Ring
+    ring: Ring | None  # None until sized (see *Ring sizing*)
     proc: Any = None
-    ctl: int | None = None  # control pipe, main's (sending, non-blocking) end
+    ctl: int | None = None  # control socket, main's (sending, non-blocking) end
     data: Any = None  # spill pipe, main's (receiving) end
-    # Command bytes the control pipe has not taken yet; the first may be partly written.
+    # Command bytes the control socket has not taken yet; the first may be partly written.
     outbox: deque[memoryview] = field(default_factory=deque)
     partial: bool = False  # the first outbox entry is partly written
+    # The outbox's Cmd.RING frame, until its first byte (which carries ring.fd) is written.
+    ring_frame: memoryview | None = None
     restarts: int = 0
     spawned: float = 0.0  # time.monotonic() of the fork
     spilling: bool = False  # the last message came through the spill pipe
@@ -459,10 +561,14 @@ class WorkerPool:
     def start(self) -> None:
         o = self.options
         _sweep_once(o.shm_dir)
-        check_shm_space(o.ring_bytes * o.num_workers, o.shm_dir)
+        sized = not callable(o.ring_bytes)
+        if sized:
+            check_shm_space(o.ring_bytes * o.num_workers, o.shm_dir)
         try:
             for i in range(o.num_workers):
-                ring = Ring.create(o.ring_bytes, directory=o.shm_dir, unlink_now=True)
+                ring = None
+                if sized:
+                    ring = Ring.create(o.ring_bytes, directory=o.shm_dir, unlink_now=True)
                 w = _Worker(i, ring)
                 self._workers.append(w)
                 self._spawn(w)
@@ -470,9 +576,33 @@ class WorkerPool:
             self.close()
             raise
 
+    def _size_rings(self, first: _Worker, nbytes: int) -> None:
+        """Worker ``first``'s batch is ``nbytes``: create every ring and send each to its worker
+        (see *Ring sizing*); nothing if they exist.  A failure closes the pool."""
+        if first.ring is not None:
+            return
+        size = self.options.ring_bytes(nbytes)  # type: ignore[operator]
+        directory = self.options.shm_dir
+        try:
+            check_shm_space(size * len(self._workers), directory)
+            # Each ring goes out as soon as it exists: its worker maps it while main makes the
+            # next one.  The worker main waits on first.
+            for w in sorted(self._workers, key=lambda x: x is not first):
+                w.ring = Ring.create(size, directory=directory, unlink_now=True, keep_fd=True,
+                                     reserve=False)
+                w.ring_frame = _frame((Cmd.RING, w.ring.capacity, directory))
+                self._post(w, w.ring_frame)
+        except BaseException:
+            self.close()
+            raise
+
     def _spawn(self, w: _Worker) -> None:
-        ctl_recv, ctl_send = os.pipe()
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ctl_send, ctl_recv = a.detach(), b.detach()  # plain descriptors, closed explicitly
         os.set_blocking(ctl_send, False)  # see *Protocol*: main never blocks on it
+        if w.ring is not None:  # a restart: the new worker inherits the ring through fork
+            w.ring.close_fd()
+        w.ring_frame = None
         data_recv, data_send = self._ctx.Pipe(duplex=False)
         main_ends = [ctl_send, data_recv] + [
             c for x in self._workers if x is not w for c in (x.ctl, x.data) if c is not None
@@ -521,6 +651,7 @@ class WorkerPool:
             WorkerError: a worker raised (``__cause__`` is its exception).
             WorkerCrashedError: a worker died more than ``max_restarts`` times.
             UsageError: a newer ``run`` started while this one was suspended.
+            ShmSpaceError: rings sized from the first batch do not fit (the pool is closed).
         """
         if self._closed:
             raise WorkerError("the worker pool is closed; create a new loader")
@@ -536,6 +667,8 @@ class WorkerPool:
                     w.outbox.pop()
             else:  # never started: the worker need not see a stale command at all
                 w.outbox.clear()
+            if w.ring_frame is not None and w.ring_frame not in w.outbox:
+                w.outbox.append(w.ring_frame)  # not a command of the old epoch: still owed
             if w.proc.exitcode is not None:  # died while idle
                 self._restart(w, generation, spec, todo)
             elif not self._post(w, (Cmd.EPOCH, generation, spec, todo.runs())):
@@ -546,10 +679,10 @@ class WorkerPool:
             todo.pop()
             yield step, ring, msg
 
-    def _post(self, w: _Worker, cmd: tuple[Any, ...]) -> bool:
-        """Queue ``cmd`` for ``w`` and write what its control pipe takes now, without blocking
-        (see *Protocol*).  False if the worker's end is gone."""
-        w.outbox.append(_frame(cmd))
+    def _post(self, w: _Worker, cmd: tuple[Any, ...] | memoryview) -> bool:
+        """Queue ``cmd`` (or an encoded frame) for ``w`` and write what its control socket
+        takes now, without blocking (see *Protocol*).  False if the worker's end is gone."""
+        w.outbox.append(cmd if isinstance(cmd, memoryview) else _frame(cmd))
         return self._flush(w)
 
     def _flush(self, w: _Worker) -> bool:
@@ -557,7 +690,12 @@ class WorkerPool:
             try:
                 if w.ctl is None:  # its restart failed half-way
                     raise BrokenPipeError
-                n = os.write(w.ctl, w.outbox[0])
+                if w.outbox[0] is w.ring_frame and w.ring is not None:
+                    n = _send_with_fd(w.ctl, w.outbox[0], w.ring.fd)
+                    w.ring.close_fd()  # the worker has its own copy now
+                    w.ring_frame = None
+                else:
+                    n = os.write(w.ctl, w.outbox[0])
             except BlockingIOError:  # full: the worker is not reading now
                 return True
             except OSError:  # EPIPE: it exited (a restart follows when main waits on it)
@@ -579,11 +717,15 @@ class WorkerPool:
         w.early.clear()
 
     def _receive(self, w: _Worker) -> tuple[Ring | None, Any] | None:
-        """One message from either channel of ``w``, or None after ``poll_interval``."""
+        """One message from either channel of ``w``, or None after ``poll_interval`` (or
+        after a size report, see *Ring sizing*)."""
         poll = self.options.poll_interval
-        if w.spilling:
+        if w.spilling or w.ring is None:
             if w.data.poll(poll):
-                return self._recv_spilled(w)
+                got = self._recv_spilled(w)
+                return None if got is _EOF else got  # type: ignore[return-value]
+            if w.ring is None:
+                return None
             try:
                 msg = w.ring.recv(timeout=0)
             except RingTimeoutError:
@@ -592,14 +734,20 @@ class WorkerPool:
             try:
                 msg = w.ring.recv(timeout=poll)
             except RingTimeoutError:
-                return self._recv_spilled(w) if w.data.poll(0) else None
+                got = self._recv_spilled(w) if w.data.poll(0) else None
+                return None if got is _EOF else got  # type: ignore[return-value]
         w.spilling = False
         return w.ring, msg
 
-    def _recv_spilled(self, w: _Worker) -> tuple[Ring | None, Any] | None:
+    def _recv_spilled(self, w: _Worker) -> tuple[Ring | None, Any] | object | None:
+        """A message from the spill pipe; None for a size report (handled here), ``_EOF`` when
+        the worker's end is gone (it died, maybe mid-send: treated like a timeout)."""
         try:
             data = w.data.recv_bytes()
-        except (EOFError, OSError):  # the worker died mid-send: treated like a timeout
+        except (EOFError, OSError):
+            return _EOF
+        if len(data) == _SIZE_REPORT.size and data.startswith(_SIZE_MAGIC):
+            self._size_rings(w, _SIZE_REPORT.unpack(data)[1])
             return None
         w.spilling = True
         return None, SpilledMessage(data)
@@ -643,6 +791,9 @@ class WorkerPool:
                 if kind == KIND_ERROR:
                     exc, tb = read_error(msg.view)
                     self._discard(ring, msg)
+                    if isinstance(exc, ShmSpaceError):  # its ring's pages (see *Ring sizing*)
+                        self.close()
+                        raise exc
                     raise WorkerError(
                         f"worker {w.index} raised {type(exc).__name__}: {exc}\n"
                         f"--- worker traceback ---\n{tb}"
@@ -694,12 +845,20 @@ class WorkerPool:
         # Whatever it committed (ring) or sent whole (pipe) is still valid: keep it, redo the rest.
         wanted = set(todo)
         while True:
-            try:
-                got: tuple[Ring | None, Any] | None = (w.ring, w.ring.recv(timeout=0))
-            except RingTimeoutError:
-                got = self._recv_spilled(w) if w.data.poll(0) else None
+            got: Any = None
+            if w.ring is not None:
+                try:
+                    got = (w.ring, w.ring.recv(timeout=0))
+                except RingTimeoutError:
+                    pass
             if got is None:
-                break
+                if not w.data.poll(0):
+                    break
+                got = self._recv_spilled(w)
+                if got is _EOF:
+                    break
+                if got is None:  # a size report
+                    continue
             ring, msg = got
             _kind, step, _t, gen = read_header(msg.view)
             if gen == generation & 0xFFFFFFFF and step in wanted and step not in w.early:
@@ -712,7 +871,8 @@ class WorkerPool:
             w.ctl = None
         w.data.close()
         w.proc.join(0)
-        w.ring.reset_producer()
+        if w.ring is not None:
+            w.ring.reset_producer()
         self._spawn(w)
         self._post(w, (Cmd.EPOCH, generation, spec, redo))  # failing, it is noticed like a death
 
@@ -725,10 +885,11 @@ class WorkerPool:
         for w in self._workers:
             if w.ctl is not None:
                 self._post(w, (Cmd.STOP,))
-                # A worker that did not get STOP (its pipe full) reads EOF after what it got.
+                # A worker that did not get STOP (its socket full) reads EOF after what it got.
                 os.close(w.ctl)
                 w.ctl = None
-            w.ring.close()
+            if w.ring is not None:
+                w.ring.close()
             if w.data is not None:
                 w.data.close()  # a worker blocked on a spill send gets EPIPE
         deadline = time.monotonic() + self.options.join_timeout
@@ -745,7 +906,9 @@ class WorkerPool:
         for w in self._workers:
             w.early.clear()
             w.outbox.clear()
-            w.ring.unlink()
+            w.ring_frame = None
+            if w.ring is not None:
+                w.ring.unlink()
 
     def __del__(self) -> None:
         if threading is not None and not getattr(self, "_closed", True):

@@ -77,7 +77,9 @@ Message lifetime
 Who unlinks
     The creator's ``close()`` (in the creating process) or anyone's ``unlink()``.  With
     ``Ring.create(..., unlink_now=True)`` the name is removed right after mapping: fork-inherited
-    children share the mapping and nothing can be left behind, even after SIGKILL.  Named rings
+    children share the mapping and nothing can be left behind, even after SIGKILL; a process
+    forked before the ring existed gets it as a file descriptor over a Unix socket
+    (``create(..., keep_fd=True)``, ``SCM_RIGHTS``, :meth:`Ring.from_fd`).  Named rings
     (for ``Ring.attach`` from spawned processes) whose creator died, and the file of a creator
     killed inside :meth:`Ring.create`, are removed by :func:`sweep_stale` (:mod:`shardio.shmspace`),
     which a worker pool runs once per directory before its first rings.  The memory itself is
@@ -205,6 +207,7 @@ class Ring:
         self.capacity = capacity
         self._creator_pid = creator_pid
         self._unlinked = False
+        self.fd: int | None = None  # see Ring.create(keep_fd=True)
         self._rw = memoryview(mm)
         self._ro = self._rw.toreadonly()
         # producer side
@@ -229,7 +232,7 @@ class Ring:
     # --- construction ----------------------------------------------------------------------
     @classmethod
     def create(cls, capacity: int, *, directory: str | os.PathLike[str] | None = None,
-               unlink_now: bool = False) -> Ring:
+               unlink_now: bool = False, keep_fd: bool = False, reserve: bool = True) -> Ring:
         """Create a ring whose data area holds ``capacity`` bytes (rounded up to 64).
 
         Args:
@@ -238,6 +241,14 @@ class Ring:
             directory: where the backing file goes (default ``/dev/shm``).
             unlink_now: unlink the file right after mapping it.  Only this process and the
                 children it forks can then use the ring, and nothing is left behind.
+            keep_fd: keep the file descriptor open as ``ring.fd`` (close-on-exec), to hand
+                the ring to a process that was not forked from this one after its creation
+                (``SCM_RIGHTS``; the receiver maps it with :meth:`from_fd`).  The caller
+                closes it with :meth:`close_fd`.
+            reserve: allocate the memory now (``posix_fallocate``), so that a full directory
+                fails here rather than as a SIGBUS mid-run.  Only with ``keep_fd``, False
+                leaves that to the receiver (``Ring.from_fd(fd, reserve=True)``), off this
+                process's path.
 
         Raises:
             UsageError: capacity is not an integer >= 128, or the directory is missing or not
@@ -259,31 +270,60 @@ class Ring:
             if err is exc:
                 raise
             raise err from exc
+        if not (reserve or keep_fd):
+            raise UsageError("Ring.create(reserve=False) needs keep_fd=True: the receiver of "
+                             "the descriptor reserves the memory")
         try:
             os.ftruncate(fd, size)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    raise
+            if reserve:
+                _reserve(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as exc:
+        except BaseException as exc:
             _unlink_quietly(path)
-            err = _create_error(exc, path, size, directory)
+            os.close(fd)
+            err = _create_error(exc, path, size, directory) if isinstance(exc, OSError) else exc
             if err is exc:
                 raise
             raise err from exc
-        except BaseException:
-            _unlink_quietly(path)
-            raise
-        finally:
+        if not keep_fd:
             os.close(fd)
         _FIXED.pack_into(mm, 0, b"\0" * 8, _VERSION, _HEADER_BYTES, capacity, os.getpid())
         mm[0:8] = _MAGIC  # last: attach() rejects a half-initialised header
         ring = cls(mm, path, capacity, os.getpid())
+        if keep_fd:
+            ring.fd = fd
         if unlink_now:
             ring.unlink()
         return ring
+
+    def close_fd(self) -> None:
+        """Close the descriptor kept by ``Ring.create(..., keep_fd=True)`` (idempotent)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    @classmethod
+    def from_fd(cls, fd: int, *, reserve: bool = False, directory: str | None = None) -> Ring:
+        """Map the ring behind ``fd`` (received from its creator, see ``keep_fd``); the caller
+        still owns ``fd`` and may close it at once.  ``reserve``: allocate its memory first
+        (for a ring created with ``reserve=False``); ``directory`` names where it lives in
+        the error.
+
+        Raises:
+            ShmSpaceError: ``reserve`` and the directory or the memory cgroup cannot hold it.
+            RingCorruptError: the file is not a shardio ring of this version.
+        """
+        path = f"<ring fd {fd} of pid {os.getpid()}>"
+        if reserve:
+            size = os.fstat(fd).st_size
+            try:
+                _reserve(fd, size)
+            except OSError as exc:
+                err = _create_error(exc, path, size, directory or DEFAULT_SHM_DIR)
+                if err is exc:
+                    raise
+                raise err from exc
+        return cls._map(fd, path)
 
     @classmethod
     def attach(cls, path: str | os.PathLike[str]) -> Ring:
@@ -302,12 +342,16 @@ class Ring:
                 "with unlink_now=True), or sweep_stale() removed it after the creator died"
             ) from exc
         try:
-            size = os.fstat(fd).st_size
-            if size < _HEADER_BYTES + _MIN_CAPACITY:
-                raise RingCorruptError(f"{path} is {size} bytes, too small to be a shardio ring")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            return cls._map(fd, path)
         finally:
             os.close(fd)
+
+    @classmethod
+    def _map(cls, fd: int, path: str) -> Ring:
+        size = os.fstat(fd).st_size
+        if size < _HEADER_BYTES + _MIN_CAPACITY:
+            raise RingCorruptError(f"{path} is {size} bytes, too small to be a shardio ring")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         magic, version, header_bytes, capacity, _pid = _FIXED.unpack_from(mm, 0)
         problem = None
         if magic != _MAGIC:
@@ -653,6 +697,7 @@ class Ring:
         The mapping is not torn down by force: messages and arrays still viewing it keep it
         valid, and it is unmapped when the last of them is gone.
         """
+        self.close_fd()
         mm = self._mm
         if mm is None:
             return
@@ -692,6 +737,15 @@ class Ring:
     def __repr__(self) -> str:
         state = "closed" if self._mm is None else f"head={self._head} rpos={self._rpos}"
         return f"<Ring {self.path} capacity={self.capacity} {state}>"
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the file's pages now (where the file system can)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
 
 
 def _unlink_quietly(path: str) -> None:

@@ -688,38 +688,109 @@ def test_slow_worker_is_not_taken_for_stuck(text: Path,
             LoaderOptions(start_timeout=bad)
 
 
-def test_ring_sizing_child_stuck_inside_fork_is_replaced(
+def test_worker_killed_while_it_waits_for_its_ring_is_replaced(
         text: Path, make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
-    import shardio.loader
+        tmp_path: Path) -> None:
+    """The first worker process sends its size report and dies before its ring arrives (see
+    "Ring sizing" in shardio.pool): main sizes the rings from that report anyway, its
+    replacement inherits the ring through fork, and the epoch stays exactly once."""
+    import shardio.pool
 
-    reference = make_loader(ShardDataset(text, seed=5), 4)
-    expected = key_batches_of(reference)
-    forks: list[int] = []
+    real = shardio.pool._Output.await_ring
+    marker = tmp_path / "died"
 
-    class FirstForkStuck:
-        """``os`` for shardio.loader, whose first fork's child never comes out of ``fork``."""
+    def report_then_die(self: Any, control: Any, nbytes: int) -> Any:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return real(self, control, nbytes)
+        self.data.send_bytes(shardio.pool._SIZE_REPORT.pack(shardio.pool._SIZE_MAGIC, nbytes))
+        os._exit(9)
 
-        def __getattr__(self, name: str) -> Any:
-            return getattr(os, name)
+    monkeypatch.setattr(shardio.pool._Output, "await_ring", report_then_die)
+    loader = make_loader(ShardDataset(text, seed=5), 4, **FAST)
+    got = key_batches_of(loader)
+    assert got == expected_rank_batches(epoch_keys(text, seed=5), 0, 1, 0, 4, "pad")
+    assert marker.exists() and loader.stats()["restarts"] == 1
+    assert loader.ring_bytes == 8 << 20  # sized (the floor: small batches)
 
-        def fork(self) -> int:
-            pid = os.fork()
-            if pid == 0 and not forks:
-                time.sleep(600)
-                os._exit(0)
-            if pid:
-                forks.append(pid)
-            return pid
 
-    monkeypatch.setattr(shardio.loader, "os", FirstForkStuck())
-    loader = make_loader(ShardDataset(text, seed=5), 4, start_timeout=1.0, **FAST)
-    with caplog.at_level(logging.WARNING, logger="shardio.loader"):
-        assert key_batches_of(loader) == expected
-    assert len(forks) == 2, "the stuck sizing child was not replaced"
-    assert loader.ring_bytes == reference.ring_bytes  # sized from a batch, not the fallback
-    assert any("still inside fork" in r.getMessage() for r in caplog.records)
-    assert wait_gone(forks, 5.0) == []
+def record_pid(sample: dict[str, Any]) -> dict[str, Any]:
+    with open(os.environ["SHARDIO_TEST_PIDS"], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return sample
+
+
+def test_rings_are_sized_from_a_whole_first_batch_made_in_a_worker(
+        text: Path, make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """ring_bytes="auto" takes the first batch's exact size (32 rows of 256 KiB plus the
+    message header: room for prefetch_factor + 1 = 3 of them is 25 MiB), and the user's
+    transform and collate never run in the training process, not even to size the rings."""
+    pids = tmp_path / "pids"
+    monkeypatch.setenv("SHARDIO_TEST_PIDS", str(pids))
+    loader = make_loader(ShardDataset(text, batch_size=32, transform=record_pid), 32,
+                         collate_fn=huge_collate, **FAST)
+    n = sum(1 for _ in loader)
+    assert n > 0 and loader.stats()["copied_out"] == 0
+    assert loader.ring_bytes == 25 << 20
+    seen = {int(x) for x in pids.read_text().split()}
+    assert os.getpid() not in seen and seen <= set(loader._pool.pids())
+
+
+def fail_first_sample_once(sample: dict[str, Any]) -> dict[str, Any]:
+    """Raise (late) on the epoch's first sample, named by SHARDIO_TEST_FIRST, the first time."""
+    if sample["__key__"] != os.environ["SHARDIO_TEST_FIRST"]:
+        return sample
+    try:
+        os.close(os.open(os.environ["SHARDIO_TEST_MARKER"],
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return sample
+    time.sleep(0.5)  # the other worker has its batch ready and waits for its ring by then
+    raise ValueError("first sample")
+
+
+def test_error_before_the_rings_exist_then_a_whole_epoch(
+        text: Path, make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """A worker raises on the epoch's first batch, before any ring exists: the error arrives
+    through its pipe; the other worker, waiting for its ring with a batch ready, drops that
+    batch when the next epoch's command comes instead, and that epoch is exactly once."""
+    order = epoch_keys(text, seed=9)
+    monkeypatch.setenv("SHARDIO_TEST_MARKER", str(tmp_path / "failed"))
+    monkeypatch.setenv("SHARDIO_TEST_FIRST", order[0])
+    loader = make_loader(ShardDataset(text, seed=9, transform=fail_first_sample_once), 4,
+                         **FAST)
+    with pytest.raises(WorkerError, match="first sample"):
+        next(iter(loader))
+    assert loader.ring_bytes == 0  # no ring yet
+    got = key_batches_of(loader)
+    assert got == expected_rank_batches(order, 0, 1, 0, 4, "pad")
+    assert loader.stats()["restarts"] == 0
+
+
+def test_ring_that_a_worker_cannot_reserve_is_a_typed_error(
+        text: Path, make_loader: Callable[..., ShardLoader],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm fills up between main's space check and the worker's allocation of its ring's
+    pages: ShmSpaceError (naming the options), the pool is gone, and the next epoch starts a
+    fresh one."""
+    import errno
+
+    import shardio.ring
+
+    def full(fd: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shardio.ring, "_reserve", full)  # inherited by the forked workers
+    loader = make_loader(ShardDataset(text, seed=4), 4, **FAST)
+    with pytest.raises(ShmSpaceError, match="lower ring_bytes/num_workers or pass shm_dir="):
+        next(iter(loader))
+    assert loader._pool is None
+    monkeypatch.undo()
+    assert key_batches_of(loader) == expected_rank_batches(epoch_keys(text, seed=4), 0, 1, 0,
+                                                           4, "pad")
 
 
 def test_worker_that_keeps_dying_is_a_typed_error(text: Path,
@@ -993,30 +1064,12 @@ def test_auto_ring_bytes_sized_from_the_first_batch(
 
     before = zombies()
     loader = make_loader(ShardDataset(text), 4, collate_fn=huge_collate, **FAST)
-    assert loader.options.ring_bytes == "auto"
+    assert loader.options.ring_bytes == "auto" and loader.ring_bytes == 0
     n = sum(1 for _ in loader)
-    # The sizing child was reaped once the workers were forked: no zombie is left.
-    assert loader._sizer is None and zombies() - before == set()
+    assert zombies() - before == set()  # no helper process of any kind left unreaped
     want = (LoaderOptions().prefetch_factor + 1) * (4 * (1 << 18))
     assert AUTO_RING_MIN <= loader.ring_bytes <= AUTO_RING_MAX
     assert loader.ring_bytes >= min(want, AUTO_RING_MAX)
-    assert n > 0 and loader.stats()["copied_out"] == 0
-
-
-def test_auto_ring_bytes_estimated_from_16_samples(
-        text: Path, make_loader: Callable[..., ShardLoader]) -> None:
-    """A batch larger than the 16-sample probe is sized by scaling the probe: room for
-    prefetch_factor + 1 batches of 32 rows of 64 KiB, and nothing copied out."""
-    from shardio.loader import AUTO_SAMPLES
-
-    def rows(samples: list[dict[str, Any]]) -> np.ndarray:
-        return np.zeros((len(samples), 1 << 16), dtype=np.uint8)
-
-    assert AUTO_SAMPLES < 32
-    loader = make_loader(ShardDataset(text, batch_size=32), 32, num_workers=1, collate_fn=rows,
-                         **FAST)
-    n = sum(1 for _ in loader)
-    assert loader.ring_bytes >= (LoaderOptions().prefetch_factor + 1) * 32 * (1 << 16)
     assert n > 0 and loader.stats()["copied_out"] == 0
 
 
