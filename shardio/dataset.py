@@ -24,6 +24,7 @@ from .config import ReadOptions
 from .decode import decode_sample
 from .errors import UnrepairableError, UsageError
 from .order import EpochOrder, NodeAffineOrder, NodeSchedule, RankPlan, node_schedule
+from .pool import keep_freed_heap
 from .reader import DatasetReader
 from .topology import Topology
 
@@ -49,8 +50,10 @@ def _freeze_inherited() -> None:
     """In a DataLoader worker: move the objects inherited from the training process into the
     GC's permanent generation (once per process).  A full collection would otherwise traverse
     them all (~0.1 s in a torch process) and write to each one's header, copying every page of
-    the parent's heap into the worker; the allocations of reading trigger one early."""
+    the parent's heap into the worker; the allocations of reading trigger one early.  Also keeps
+    freed heap for the next samples (:func:`shardio.pool.keep_freed_heap`)."""
     gc.freeze()
+    keep_freed_heap()
     _FROZEN[0] = os.getpid()
 
 
