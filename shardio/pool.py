@@ -691,7 +691,7 @@ class WorkerPool:
                     w.outbox.pop()
             else:  # never started: the worker need not see a stale command at all
                 w.outbox.clear()
-            if w.ring_frame is not None and w.ring_frame not in w.outbox:
+            if w.ring_frame is not None and all(f is not w.ring_frame for f in w.outbox):
                 w.outbox.append(w.ring_frame)  # not a command of the old epoch: still owed
             if w.proc.exitcode is not None:  # died while idle
                 self._restart(w, generation, spec, todo)
