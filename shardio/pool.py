@@ -280,6 +280,7 @@ class _Control:
 
     def __init__(self, fd: int, parent: int, poll: float) -> None:
         self.sock = socket.socket(fileno=fd)
+        self.sock.settimeout(None)  # blocking reads after poll, whatever setdefaulttimeout says
         self.parent, self.poll = parent, poll
         self.waiter = select.poll()  # not select.select: a training process may have fds > 1024
         self.waiter.register(fd, select.POLLIN)
@@ -323,6 +324,7 @@ def _send_with_fd(sock_fd: int, data: memoryview, fd: int | None) -> int:
     """Write the start of ``data`` to a Unix socket with ``fd`` attached (``SCM_RIGHTS``)."""
     sock = socket.socket(fileno=sock_fd)
     try:
+        sock.setblocking(False)  # as the descriptor already is: never wait (see *Protocol*)
         return sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                       array.array("i", [fd]))])
     finally:
