@@ -1167,3 +1167,36 @@ def test_stats_slow_transform_warns(text: Path, make_loader: Callable[..., Shard
     warned = [r for r in caplog.records if "waited for data" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     assert "num_workers" in warned[0].getMessage()
+
+
+def test_loaders_leave_no_descriptor_behind(
+        text: Path, make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """Control sockets, spill pipes and the ring descriptors main keeps until it has handed
+    them over (see "Ring sizing" in shardio.pool) are all closed with the loader: whole
+    epochs, an epoch whose first batch fails before any ring exists, and a loader closed while
+    its workers wait for their rings."""
+    def fds() -> set[str]:
+        gc.collect()
+        return set(os.listdir("/proc/self/fd"))
+
+    order = epoch_keys(text, seed=9)
+    monkeypatch.setenv("SHARDIO_TEST_MARKER", str(tmp_path / "failed"))
+    monkeypatch.setenv("SHARDIO_TEST_FIRST", order[0])
+    make_loader(ShardDataset(text), 4, **FAST).close()  # imports and first-use caches
+    before = fds()
+    for _ in range(3):
+        loader = make_loader(ShardDataset(text, seed=1), 4, **FAST)
+        assert sum(1 for _ in loader) > 0
+        loader.close()
+    loader = make_loader(ShardDataset(text, seed=9, transform=fail_first_sample_once), 4,
+                         **FAST)
+    with pytest.raises(WorkerError, match="first sample"):
+        next(iter(loader))
+    loader.close()
+    loader = make_loader(ShardDataset(text, seed=2, transform=very_slow_transform), 4, **FAST)
+    it = iter(loader)
+    loader._ensure_pool()  # workers forked, no ring yet: their first batch takes 0.12 s
+    loader.close()
+    del it
+    assert fds() == before
