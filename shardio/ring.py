@@ -8,8 +8,9 @@ that hold on x86-64 and aarch64.
 Backing file
     ``<directory>/shardio-<creator pid>-<16 hex digits>``, mode 0600, created with ``O_EXCL``,
     sized with ``ftruncate`` and pre-allocated (``posix_fallocate``: a full ``/dev/shm`` fails at
-    creation, not as a SIGBUS mid-run), then mapped ``MAP_SHARED``.  The directory defaults to
-    ``/dev/shm``; any file-backed directory works.
+    creation, not as a SIGBUS mid-run; with ``create(reserve=False)`` the process the descriptor
+    is handed to does it, ``from_fd(reserve=True)``), then mapped ``MAP_SHARED``.  The directory
+    defaults to ``/dev/shm``; any file-backed directory works.
 
 Header (little-endian; every shared word on its own 64-byte cache line)::
 
@@ -258,6 +259,9 @@ class Ring:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < _MIN_CAPACITY:
             raise UsageError(f"ring capacity must be an integer >= {_MIN_CAPACITY} bytes, "
                              f"got {capacity!r}")
+        if not (reserve or keep_fd):
+            raise UsageError("Ring.create(reserve=False) needs keep_fd=True: the receiver of "
+                             "the descriptor reserves the memory")
         capacity = (capacity + _ALIGN - 1) & ~(_ALIGN - 1)
         directory = DEFAULT_SHM_DIR if directory is None else os.fspath(directory)
         size = _HEADER_BYTES + capacity
@@ -270,9 +274,6 @@ class Ring:
             if err is exc:
                 raise
             raise err from exc
-        if not (reserve or keep_fd):
-            raise UsageError("Ring.create(reserve=False) needs keep_fd=True: the receiver of "
-                             "the descriptor reserves the memory")
         try:
             os.ftruncate(fd, size)
             if reserve:

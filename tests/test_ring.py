@@ -722,3 +722,72 @@ def test_ring_module_has_no_locks() -> None:
     src = Path(ring_module.__file__).read_text()
     for forbidden in ("multiprocessing", "threading", "Lock(", "Semaphore", "Condition", "Pipe("):
         assert forbidden not in src, forbidden
+
+
+def _fd_producer(sock: Any, count: int) -> None:
+    """A process forked before the ring existed: receive its descriptor, reserve, produce."""
+    import socket
+
+    _msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 1)
+    ring = Ring.from_fd(fds[0], reserve=True)
+    os.close(fds[0])
+    ring.become_producer()
+    for i in range(count):
+        ring.send(i.to_bytes(4, "little") * (1000 + i), timeout=CHILD_DEADLINE)
+
+
+def test_ring_handed_over_as_a_descriptor_to_a_process_forked_before_it() -> None:
+    """create(keep_fd=True, reserve=False, unlink_now=True): no name on disk, nothing
+    allocated yet; the descriptor goes over a Unix socket (SCM_RIGHTS) to a child forked
+    earlier, which reserves the pages (from_fd(reserve=True)) and produces; the creator
+    consumes every message."""
+    import socket
+
+    parent_end, child_end = socket.socketpair()
+    proc = CTX.Process(target=_fd_producer, args=(child_end, 50))
+    proc.start()
+    before = _shm_entries()
+    ring = Ring.create(1 << 20, unlink_now=True, keep_fd=True, reserve=False)
+    try:
+        assert ring.fd is not None and _shm_entries() == before  # unlinked at once
+        st_blocks = os.fstat(ring.fd).st_blocks
+        socket.send_fds(parent_end, [b"R"], [ring.fd])
+        ring.close_fd()
+        assert ring.fd is None
+        for i in range(50):
+            msg = ring.recv(timeout=CHILD_DEADLINE)
+            assert bytes(msg.view) == i.to_bytes(4, "little") * (1000 + i)
+            ring.release(msg)
+        proc.join(CHILD_DEADLINE)
+        assert proc.exitcode == 0
+        assert st_blocks < 64  # the creator had reserved nothing (the child did)
+    finally:
+        ring.close()
+        parent_end.close()
+        child_end.close()
+
+
+def test_descriptor_handover_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import shardio.ring
+
+    with pytest.raises(UsageError, match="keep_fd=True"):
+        Ring.create(1 << 16, unlink_now=True, reserve=False)
+    ring = Ring.create(1 << 16, unlink_now=True, keep_fd=True, reserve=False)
+    try:
+        def full(fd: int, size: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(shardio.ring, "_reserve", full)
+        with pytest.raises(ShmSpaceError, match="shm_dir="):
+            Ring.from_fd(ring.fd, reserve=True, directory="/dev/shm")  # type: ignore[arg-type]
+        monkeypatch.undo()
+        fd = ring.fd
+        assert fd is not None
+        other = Ring.from_fd(fd, reserve=True)
+        assert other.capacity == ring.capacity and os.fstat(fd).st_blocks > 0
+        other.close()
+    finally:
+        ring.close()
+    assert ring.fd is None  # close() closes a kept descriptor too
