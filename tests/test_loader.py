@@ -1200,3 +1200,20 @@ def test_loaders_leave_no_descriptor_behind(
     loader.close()
     del it
     assert fds() == before
+
+
+def test_auto_rings_that_do_not_fit_a_small_shm_dir(
+        text: Path, make_loader: Callable[..., ShardLoader], small_tmpfs: Path) -> None:
+    """A real 2 MiB tmpfs as shm_dir (a container's small /dev/shm): auto rings (8 MiB at
+    least) are refused when the first batch sizes them, before any ring file exists, with the
+    options to change; the pool is gone; an explicit ring_bytes that fits then works there."""
+    loader = make_loader(ShardDataset(text, seed=3), 4, shm_dir=str(small_tmpfs), **FAST)
+    with pytest.raises(ShmSpaceError, match=r"ring_bytes.*shm_dir="):
+        next(iter(loader))
+    assert loader._pool is None and os.listdir(small_tmpfs) == []
+    fits = make_loader(ShardDataset(text, seed=3), 4, shm_dir=str(small_tmpfs),
+                       ring_bytes="256KiB", **FAST)
+    got = key_batches_of(fits)
+    assert got == expected_rank_batches(epoch_keys(text, seed=3), 0, 1, 0, 4, "pad")
+    fits.close()
+    assert os.listdir(small_tmpfs) == []
