@@ -206,10 +206,16 @@ class Sampler(TreeSampler):
         self.longest_wait = 0.0
 
     def _loop(self) -> None:
+        first = True
         while True:
             c0 = time.thread_time()
             self.take()
-            wait = max(self.interval, (time.thread_time() - c0) / self.budget)
+            # The thread's first sample pays one-time costs (psutil's first walk of /proc: ~80 ms
+            # of CPU here); stretched by it, the next sample came ~0.8 s later, after a whole raw
+            # ShardLoader epoch (~0.2 s), whose workers and rings then went unmeasured.
+            cost = 0.0 if first else time.thread_time() - c0
+            first = False
+            wait = max(self.interval, cost / self.budget)
             self.longest_wait = max(self.longest_wait, wait)
             if self._stop.wait(wait):
                 return
