@@ -390,3 +390,32 @@ def test_workers_keep_freed_heap_for_the_next_batch() -> None:
     keep_freed_heap (which every worker calls) makes it reuse them."""
     assert _faults_per_round("default") > 500  # the problem exists here
     assert _faults_per_round("keep") < 20
+
+
+def test_a_full_control_socket_never_makes_main_wait_even_with_a_default_timeout() -> None:
+    """Main's end of a control socket is non-blocking (see *Protocol*): handing a ring over
+    a full socket raises BlockingIOError at once (the frame waits in the outbox), even when
+    the training script set socket.setdefaulttimeout, which would otherwise turn the send into
+    a wait of up to that timeout and then a TimeoutError."""
+    import socket
+
+    a, b = socket.socketpair()
+    main_end = a.detach()
+    os.set_blocking(main_end, False)
+    old = socket.getdefaulttimeout()
+    r, w = os.pipe()
+    try:
+        while True:  # fill the socket: the worker is not reading
+            try:
+                os.write(main_end, b"\0" * 65536)
+            except BlockingIOError:
+                break
+        socket.setdefaulttimeout(5.0)
+        with pytest.raises(BlockingIOError):
+            shardio.pool._send_with_fd(main_end, memoryview(b"frame"), r)
+    finally:
+        socket.setdefaulttimeout(old)
+        os.close(main_end)
+        b.close()
+        os.close(r)
+        os.close(w)
