@@ -29,6 +29,7 @@ import numpy as np
 __all__ = [
     "KIND_BATCH",
     "KIND_ERROR",
+    "KIND_RING_SPACE",
     "Plan",
     "error_message",
     "plan_collate",
@@ -41,6 +42,9 @@ __all__ = [
 
 KIND_BATCH = 1
 KIND_ERROR = 2
+# An error message (same payload as KIND_ERROR) from the pool itself, not from user code: a
+# worker could not allocate its ring's memory (see "Ring sizing" in shardio.pool).
+KIND_RING_SPACE = 3
 _HEAD = struct.Struct("<IIqII6d")
 _TIMES = struct.Struct("<6d")
 ALIGN = 64

@@ -56,8 +56,14 @@ Ring sizing
     ``Cmd.RING`` with its ring's descriptor; a report arriving after that is ignored.  So the
     rings are sized from a real batch, made by a worker (the user's code never runs in main),
     and created while the other workers are already producing.  A worker that gets another
-    command while it waits drops its batch and obeys it; a worker restarted after the rings
-    exist inherits its ring through ``fork``.
+    command while it waits drops its batch and obeys it.  Main keeps each ring's descriptor
+    while the pool lives: a worker restarted after the rings exist inherits its ring through
+    ``fork``, descriptor included, and allocates its pages itself (a no-op if the worker it
+    replaces had done it; not if that one died before).  A worker that cannot allocate them
+    (ENOSPC: ``/dev/shm`` filled up after main's check) sends a
+    :data:`~shardio._tree.KIND_RING_SPACE` message (a ``ShmSpaceError``) through its pipe and
+    goes on without a ring; main never drops that message, whatever its epoch, and closes the
+    pool and raises it.  A ``ShmSpaceError`` raised by user code is an ordinary worker error.
 
 Failure handling
     A worker exception travels back as a :data:`~shardio._tree.KIND_ERROR` message and is raised
@@ -117,6 +123,7 @@ from typing import Any, Protocol
 from ._tree import (
     KIND_BATCH,
     KIND_ERROR,
+    KIND_RING_SPACE,
     Plan,
     error_message,
     read_error,
@@ -175,6 +182,7 @@ _SIZE_MAGIC = b"RINGSIZE"
 _EOF = object()  # _recv_spilled: the worker's end of the spill pipe is gone
 _MAX_FDS = 4  # descriptors one read of the control socket can take (one per RING command)
 _GONE = ("gone",)  # _Output.await_ring: main is gone
+_NO_RING = ("no ring",)  # _Output.await_ring: its memory could not be allocated (reported)
 
 
 class BatchJob(Protocol):
@@ -372,15 +380,45 @@ class _Output:
         self.spilling = False
         self.reported = False  # a size report went out (see *Ring sizing*)
 
-    def attach(self, fd: int, directory: str | None) -> None:
-        """Take the ring main sent (``Cmd.RING``) as this worker's; a second one is ignored."""
+    def attach(self, fd: int, directory: str | None) -> bool:
+        """Take the ring main sent (``Cmd.RING``) as this worker's; a second one is ignored.
+        False if its memory cannot be allocated (reported to main, see *Ring sizing*)."""
         try:
             if self.ring is None:
                 # Main left the allocation of its pages to this worker (see *Ring sizing*).
-                self.ring = Ring.from_fd(fd, reserve=True, directory=directory)
-                self.ring.become_producer()
+                try:
+                    ring = Ring.from_fd(fd, reserve=True, directory=directory)
+                except ShmSpaceError as exc:
+                    self.report_space(exc)
+                    return False
+                self.adopt(ring)
+            return True
         finally:
             os.close(fd)
+
+    def inherit(self, ring: Ring) -> None:
+        """Take the ring inherited through fork (a restart): allocate its pages first where
+        main kept its descriptor (see *Ring sizing*)."""
+        try:
+            if ring.fd is not None:
+                ring.reserve_pages()
+        except ShmSpaceError as exc:
+            self.report_space(exc)
+            return
+        finally:
+            ring.close_fd()  # this process's copy of main's descriptor
+        self.adopt(ring)
+
+    def adopt(self, ring: Ring) -> None:
+        ring.become_producer()
+        self.ring = ring
+
+    def report_space(self, exc: ShmSpaceError) -> None:
+        """Tell main this worker has no ring and never will: a KIND_RING_SPACE message, which
+        main raises whatever epoch it is in (see *Ring sizing*).  It never asks for one again."""
+        self.reported = True
+        plan = error_message(exc, traceback.format_exc())
+        self._spill(plan, -1, [], self.gen.value, KIND_RING_SPACE)
 
     def await_ring(self, control: _Control, nbytes: int) -> Any:
         """Report a ready batch of ``nbytes`` (once) and wait for the ring: None once it is
@@ -396,8 +434,7 @@ class _Output:
             return _GONE
         if cmd[0] != Cmd.RING:
             return cmd
-        self.attach(cmd[1], cmd[2])
-        return None
+        return None if self.attach(cmd[1], cmd[2]) else _NO_RING
 
     def deliver(self, plan: Plan, step: int, times: list[float], generation: int,
                 kind: int = KIND_BATCH) -> Sent:
@@ -478,7 +515,7 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
     # Main's ends of the pipes (this worker's and its siblings') came along with fork; a copy held
     # here would keep a pipe open after main closes it, and a send on it could then block forever.
     for c in main_ends:
-        if isinstance(c, int):  # a control socket's end
+        if isinstance(c, int):  # a control socket's end, or a sibling's ring descriptor
             os.close(c)
         else:
             c.close()
@@ -497,10 +534,10 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
             os.sched_setaffinity(0, {cpus[index % len(cpus)]})
         except OSError as exc:
             log.warning("worker %d: cannot pin to CPU %s: %s", index, cpus[index % len(cpus)], exc)
-    if ring is not None:
-        ring.become_producer()
     control = _Control(ctl, parent, poll)
-    out = _Output(ring, data, gen, want, index, poll, parent)
+    out = _Output(None, data, gen, want, index, poll, parent)
+    if ring is not None:
+        out.inherit(ring)
     cmd = None
     while True:
         if cmd is None:
@@ -526,6 +563,9 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
                     cmd = out.await_ring(control, plan.nbytes)
                     if cmd is _GONE:
                         return
+                    if cmd is _NO_RING:  # reported: main closes the pool
+                        cmd = None
+                        break
                     if cmd is not None:  # a newer command: this batch is not wanted any more
                         break
                 sent = out.deliver(plan, step, times, generation)
@@ -626,12 +666,13 @@ class WorkerPool:
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ctl_send, ctl_recv = a.detach(), b.detach()  # plain descriptors, closed explicitly
         os.set_blocking(ctl_send, False)  # see *Protocol*: main never blocks on it
-        if w.ring is not None:  # a restart: the new worker inherits the ring through fork
-            w.ring.close_fd()
+        # A restart: the new worker inherits the ring, and main's descriptor of it, through
+        # fork (see *Ring sizing*).
         w.ring_frame = None
         data_recv, data_send = self._ctx.Pipe(duplex=False)
         main_ends = [ctl_send, data_recv] + [
-            c for x in self._workers if x is not w for c in (x.ctl, x.data) if c is not None
+            c for x in self._workers if x is not w
+            for c in (x.ctl, x.data, x.ring.fd if x.ring is not None else None) if c is not None
         ]
         # PR_SET_PDEATHSIG fires when the forking thread exits: only the main thread lives as
         # long as the process.
@@ -718,8 +759,7 @@ class WorkerPool:
                     raise BrokenPipeError
                 if w.outbox[0] is w.ring_frame and w.ring is not None:
                     n = _send_with_fd(w.ctl, w.outbox[0], w.ring.fd)
-                    w.ring.close_fd()  # the worker has its own copy now
-                    w.ring_frame = None
+                    w.ring_frame = None  # main keeps its descriptor (see *Ring sizing*)
                 else:
                     n = os.write(w.ctl, w.outbox[0])
             except BlockingIOError:  # full: the worker is not reading now
@@ -808,6 +848,8 @@ class WorkerPool:
                     continue
                 ring, msg = got
                 kind, step, _times, gen = read_header(msg.view)
+                if kind == KIND_RING_SPACE:
+                    self._ring_space(ring, msg)
                 if gen != generation & 0xFFFFFFFF:
                     self._discard(ring, msg)
                     continue
@@ -817,9 +859,6 @@ class WorkerPool:
                 if kind == KIND_ERROR:
                     exc, tb = read_error(msg.view)
                     self._discard(ring, msg)
-                    if isinstance(exc, ShmSpaceError):  # its ring's pages (see *Ring sizing*)
-                        self.close()
-                        raise exc
                     raise WorkerError(
                         f"worker {w.index} raised {type(exc).__name__}: {exc}\n"
                         f"--- worker traceback ---\n{tb}"
@@ -830,6 +869,13 @@ class WorkerPool:
                 return got
         finally:
             self._want[w.index] = -1
+
+    def _ring_space(self, ring: Ring | None, msg: Any) -> None:
+        """A worker could not allocate its ring (see *Ring sizing*): close, raise its error."""
+        exc, _tb = read_error(msg.view)
+        self._discard(ring, msg)
+        self.close()
+        raise exc
 
     def _check_current(self, generation: int) -> None:
         if self._closed:
@@ -886,7 +932,9 @@ class WorkerPool:
                 if got is None:  # a size report
                     continue
             ring, msg = got
-            _kind, step, _t, gen = read_header(msg.view)
+            kind, step, _t, gen = read_header(msg.view)
+            if kind == KIND_RING_SPACE:
+                self._ring_space(ring, msg)
             if gen == generation & 0xFFFFFFFF and step in wanted and step not in w.early:
                 w.early[step] = got
             else:

@@ -316,15 +316,22 @@ class Ring:
         """
         path = f"<ring fd {fd} of pid {os.getpid()}>"
         if reserve:
-            size = os.fstat(fd).st_size
-            try:
-                _reserve(fd, size)
-            except OSError as exc:
-                err = _create_error(exc, path, size, directory or DEFAULT_SHM_DIR)
-                if err is exc:
-                    raise
-                raise err from exc
+            _reserve_checked(fd, path, directory or DEFAULT_SHM_DIR)
         return cls._map(fd, path)
+
+    def reserve_pages(self) -> None:
+        """Allocate the memory of a ring created with ``reserve=False``, through the descriptor
+        ``keep_fd`` kept (pages already allocated stay as they are: a second call costs a walk
+        of the file, well under a millisecond for tens of MiB).
+
+        Raises:
+            UsageError: this ring keeps no descriptor (``keep_fd``).
+            ShmSpaceError: the directory or the memory cgroup cannot hold it.
+        """
+        if self.fd is None:
+            raise UsageError("Ring.reserve_pages() needs the descriptor Ring.create(keep_fd=True) "
+                             "keeps")
+        _reserve_checked(self.fd, self.path, os.path.dirname(self.path) or DEFAULT_SHM_DIR)
 
     @classmethod
     def attach(cls, path: str | os.PathLike[str]) -> Ring:
@@ -747,6 +754,19 @@ def _reserve(fd: int, size: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
+
+
+def _reserve_checked(fd: int, path: str, directory: str) -> None:
+    """:func:`_reserve` the whole file behind ``fd``, failures as :func:`_create_error` types
+    them."""
+    size = os.fstat(fd).st_size
+    try:
+        _reserve(fd, size)
+    except OSError as exc:
+        err = _create_error(exc, path, size, directory)
+        if err is exc:
+            raise
+        raise err from exc
 
 
 def _unlink_quietly(path: str) -> None:

@@ -688,18 +688,14 @@ def test_slow_worker_is_not_taken_for_stuck(text: Path,
             LoaderOptions(start_timeout=bad)
 
 
-def test_worker_killed_while_it_waits_for_its_ring_is_replaced(
-        text: Path, make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,
-        tmp_path: Path) -> None:
-    """The first worker process sends its size report and dies before its ring arrives (see
-    "Ring sizing" in shardio.pool): main sizes the rings from that report anyway, its
-    replacement inherits the ring through fork, and the epoch stays exactly once."""
+def report_then_die(marker: Path) -> Callable[..., Any]:
+    """An ``_Output.await_ring`` for the pool's workers: the first worker process to call it
+    (it creates ``marker``) sends its size report and exits before its ring arrives."""
     import shardio.pool
 
     real = shardio.pool._Output.await_ring
-    marker = tmp_path / "died"
 
-    def report_then_die(self: Any, control: Any, nbytes: int) -> Any:
+    def await_ring(self: Any, control: Any, nbytes: int) -> Any:
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
@@ -707,12 +703,109 @@ def test_worker_killed_while_it_waits_for_its_ring_is_replaced(
         self.data.send_bytes(shardio.pool._SIZE_REPORT.pack(shardio.pool._SIZE_MAGIC, nbytes))
         os._exit(9)
 
-    monkeypatch.setattr(shardio.pool._Output, "await_ring", report_then_die)
+    return await_ring
+
+
+def test_worker_killed_while_it_waits_for_its_ring_is_replaced(
+        text: Path, make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """The first worker process sends its size report and dies before its ring arrives (see
+    "Ring sizing" in shardio.pool): main sizes the rings from that report anyway, its
+    replacement inherits the ring through fork and allocates its pages (the dead worker never
+    did), and the epoch stays exactly once."""
+    import shardio.pool
+    import shardio.ring
+
+    marker = tmp_path / "died"
+    reserved = tmp_path / "reserved"
+    real_reserve = shardio.ring._reserve
+
+    def recorded_reserve(fd: int, size: int) -> None:
+        with open(reserved, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        real_reserve(fd, size)
+
+    monkeypatch.setattr(shardio.pool._Output, "await_ring", report_then_die(marker))
+    monkeypatch.setattr(shardio.ring, "_reserve", recorded_reserve)  # inherited by the workers
     loader = make_loader(ShardDataset(text, seed=5), 4, **FAST)
     got = key_batches_of(loader)
     assert got == expected_rank_batches(epoch_keys(text, seed=5), 0, 1, 0, 4, "pad")
     assert marker.exists() and loader.stats()["restarts"] == 1
     assert loader.ring_bytes == 8 << 20  # sized (the floor: small batches)
+    assert {int(x) for x in reserved.read_text().split()} == set(loader._pool.pids())
+
+
+def test_replacement_that_cannot_allocate_its_ring_is_a_typed_error(
+        text: Path, make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """As above, but /dev/shm has filled up by the time the replacement allocates the ring
+    it inherited: ShmSpaceError (naming the options), the pool is gone, nothing is left, and
+    the next epoch starts a fresh pool."""
+    import errno
+
+    import shardio.pool
+    import shardio.ring
+
+    marker = tmp_path / "died"
+    real_reserve = shardio.ring._reserve
+    real_restart = shardio.pool.WorkerPool._restart
+
+    def full_after_restart(fd: int, size: int) -> None:
+        if os.environ.get("SHARDIO_TEST_SHM_FULL"):  # forked after the death (see below)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_reserve(fd, size)
+
+    def restart(self: Any, *args: Any, **kwargs: Any) -> None:
+        os.environ["SHARDIO_TEST_SHM_FULL"] = "1"  # what the replacement will inherit
+        real_restart(self, *args, **kwargs)
+
+    monkeypatch.delenv("SHARDIO_TEST_SHM_FULL", raising=False)  # restored after the test
+    monkeypatch.setattr(shardio.pool._Output, "await_ring", report_then_die(marker))
+    monkeypatch.setattr(shardio.ring, "_reserve", full_after_restart)
+    monkeypatch.setattr(shardio.pool.WorkerPool, "_restart", restart)
+    loader = make_loader(ShardDataset(text, seed=5), 4, **FAST)
+    before = {p.pid for p in live_children()}
+    with pytest.raises(ShmSpaceError, match="lower ring_bytes/num_workers or pass shm_dir="):
+        key_batches_of(loader)
+    assert marker.exists() and loader._pool is None
+    assert wait_gone(new_workers(before), 5.0) == []
+    monkeypatch.undo()
+    assert key_batches_of(loader) == expected_rank_batches(epoch_keys(text, seed=5), 0, 1, 0,
+                                                           4, "pad")
+
+
+def raise_shm_space(sample: dict[str, Any]) -> dict[str, Any]:
+    """User code that raises the same exception type a ring allocation does, once, on the
+    sample SHARDIO_TEST_FIRST names."""
+    if sample["__key__"] == os.environ["SHARDIO_TEST_FIRST"]:
+        try:
+            os.close(os.open(os.environ["SHARDIO_TEST_MARKER"],
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return sample
+        raise ShmSpaceError("the user's own shared-memory cache is full")
+    return sample
+
+
+def test_shm_space_error_from_user_code_is_an_ordinary_worker_error(
+        text: Path, make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """Only the pool's own ring allocation closes the pool on ShmSpaceError (a message kind of
+    its own): the same type raised by a transform is a WorkerError with the worker's traceback,
+    the workers stay, and the next epoch on them is exactly once."""
+    order = epoch_keys(text, seed=6)
+    monkeypatch.setenv("SHARDIO_TEST_FIRST", order[-1])  # near the end: the rings exist
+    monkeypatch.setenv("SHARDIO_TEST_MARKER", str(tmp_path / "raised"))
+    loader = make_loader(ShardDataset(text, seed=6, transform=raise_shm_space), 4, **FAST)
+    with pytest.raises(WorkerError, match="user's own shared-memory cache") as info:
+        key_batches_of(loader)
+    assert isinstance(info.value.__cause__, ShmSpaceError)
+    assert "raise_shm_space" in str(info.value)  # the worker's traceback
+    pids = loader._pool.pids()
+    loader.set_epoch(1)
+    got = key_batches_of(loader)
+    assert got == expected_rank_batches(epoch_keys(text, seed=6, epoch=1), 0, 1, 0, 4, "pad")
+    assert loader._pool.pids() == pids and loader.stats()["restarts"] == 0
 
 
 def record_pid(sample: dict[str, Any]) -> dict[str, Any]:

@@ -791,3 +791,34 @@ def test_descriptor_handover_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         ring.close()
     assert ring.fd is None  # close() closes a kept descriptor too
+
+
+def test_reserve_pages_through_the_kept_descriptor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """reserve_pages() allocates a reserve=False ring's memory in place (what a restarted pool
+    worker does with the ring it inherits), again at no harm, typed when it does not fit."""
+    import errno
+
+    import shardio.ring
+
+    ring = Ring.create(1 << 20, unlink_now=True, keep_fd=True, reserve=False)
+    try:
+        assert ring.fd is not None
+        assert os.fstat(ring.fd).st_blocks < 64
+        ring.reserve_pages()
+        blocks = os.fstat(ring.fd).st_blocks
+        assert blocks * 512 >= (1 << 20)
+        ring.reserve_pages()  # already allocated: nothing changes
+        assert os.fstat(ring.fd).st_blocks == blocks
+
+        def full(fd: int, size: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(shardio.ring, "_reserve", full)
+        with pytest.raises(ShmSpaceError, match=r"in /dev/shm: .*shm_dir="):
+            ring.reserve_pages()
+        monkeypatch.undo()
+        ring.close_fd()
+        with pytest.raises(UsageError, match="keep_fd=True"):
+            ring.reserve_pages()
+    finally:
+        ring.close()
