@@ -237,6 +237,40 @@ def test_worker_stuck_in_fork_is_replaced_in_a_long_epoch(
     assert pool.restarts == 1
 
 
+def test_ring_owed_to_a_worker_not_reading_yet_survives_a_new_epoch(
+        make_pool: Callable[..., WorkerPool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rings sized from the first batch (see *Ring sizing*): worker 1 starts reading its
+    control socket late, so its share of a shuffled 60,000-step epoch (~200 KB) fills the
+    socket and its ``Cmd.RING`` waits behind that in main's outbox; a new epoch starts before
+    either went out.  The ring is not a command of the old epoch: it stays owed, the worker
+    takes it while idle (its old epoch is stale by then), and serves the new epoch through it,
+    in full.  Lost, the worker would wait for a ring main thinks it sent: a hang."""
+    real = shardio.pool._worker_main
+
+    def late_reader(*args: Any) -> None:
+        if args[7] == 1:  # worker index 1
+            time.sleep(1.0)
+        real(*args)
+
+    monkeypatch.setattr(shardio.pool, "_worker_main", late_reader)
+    pool = make_pool(BigStepJob(big=-1), num_workers=2, ring_bytes=lambda nbytes: RING)
+    steps = list(range(60_000))
+    random.Random(3).shuffle(steps)
+    with deadline(20, pool):
+        it = pool.run({}, steps)
+        step, ring, msg = next(it)
+        assert (step, value(ring, msg)) == (steps[0], (64, steps[0] % 256))
+        it.close()
+        w1 = pool._workers[1]
+        assert w1.partial and any(f is w1.ring_frame for f in w1.outbox)  # the case at hand
+        got = [(step, ring is not None, value(ring, msg))
+               for step, ring, msg in pool.run({}, range(40))]
+    assert [s for s, _, _ in got] == list(range(40))
+    assert all(v == (64, s % 256) for s, _, v in got)
+    assert all(via_ring for _, via_ring, _ in got[1::2])  # worker 1's, through its ring
+    assert pool.restarts == 0
+
+
 # --- C: a superseded iterator ----------------------------------------------------------------
 def test_superseded_run_raises_and_leaves_the_newer_one_intact(
         make_pool: Callable[..., WorkerPool]) -> None:
