@@ -629,12 +629,13 @@ class WorkerPool:
         _sweep_once(o.shm_dir)
         sized = not callable(o.ring_bytes)
         if sized:
-            check_shm_space(o.ring_bytes * o.num_workers, o.shm_dir)
+            check_shm_space(Ring.file_bytes(o.ring_bytes) * o.num_workers, o.shm_dir)
         try:
             for i in range(o.num_workers):
                 ring = None
                 if sized:
-                    ring = Ring.create(o.ring_bytes, directory=o.shm_dir, unlink_now=True)
+                    ring = Ring.create(o.ring_bytes, directory=o.shm_dir, unlink_now=True,
+                                       space_checked=True)
                 w = _Worker(i, ring)
                 self._workers.append(w)
                 self._spawn(w)
@@ -650,12 +651,12 @@ class WorkerPool:
         size = self.options.ring_bytes(nbytes)  # type: ignore[operator]
         directory = self.options.shm_dir
         try:
-            check_shm_space(size * len(self._workers), directory)
+            check_shm_space(Ring.file_bytes(size) * len(self._workers), directory)
             # Each ring goes out as soon as it exists: its worker maps it while main makes the
             # next one.  The worker main waits on first.
             for w in sorted(self._workers, key=lambda x: x is not first):
                 w.ring = Ring.create(size, directory=directory, unlink_now=True, keep_fd=True,
-                                     reserve=False)
+                                     reserve=False, space_checked=True)
                 w.ring_frame = _frame((Cmd.RING, w.ring.capacity, directory))
                 self._post(w, w.ring_frame)
         except BaseException:

@@ -822,3 +822,26 @@ def test_reserve_pages_through_the_kept_descriptor(monkeypatch: pytest.MonkeyPat
             ring.reserve_pages()
     finally:
         ring.close()
+
+
+def test_file_bytes_and_a_space_check_done_by_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ring.file_bytes is what a ring takes (header + capacity rounded to 64), what a pool
+    checks for all its rings at once; create(space_checked=True) then skips its own check."""
+    import shardio.ring
+
+    assert Ring.file_bytes(1000) == 512 + 1024 and Ring.file_bytes(1024) == 512 + 1024
+    for bad in (100, True, 1.5, "1MB"):
+        with pytest.raises(UsageError, match="integer >= 128"):
+            Ring.file_bytes(bad)  # type: ignore[arg-type]
+
+    def no_room(nbytes: int, directory: Any = None) -> None:
+        raise ShmSpaceError(f"no room for {nbytes}")
+
+    monkeypatch.setattr(shardio.ring, "check_shm_space", no_room)
+    with pytest.raises(ShmSpaceError, match=f"no room for {512 + 4096}"):
+        Ring.create(4096, unlink_now=True)
+    ring = Ring.create(4096, unlink_now=True, space_checked=True)
+    try:
+        assert ring.capacity == 4096
+    finally:
+        ring.close()
