@@ -85,3 +85,21 @@ def emit(lines: list[dict[str, Any]], summary: dict[str, Any], json_out: str | N
     sys.stdout.flush()
     if json_out:
         Path(json_out).write_text(text)
+
+
+def run_in_workdir(prefix: str, workdir: str | None, keep: bool, fn: Any) -> int:
+    """``fn(work)`` in a fresh directory ``prefix*`` under ``workdir`` (default system temp),
+    removed afterwards unless ``keep`` (then its path goes to stderr)."""
+    import shutil
+    import tempfile
+
+    if workdir:
+        os.makedirs(workdir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=prefix, dir=workdir)
+    try:
+        return int(fn(work))
+    finally:
+        if keep:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)

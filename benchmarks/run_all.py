@@ -79,6 +79,8 @@ BENCHES: dict[str, Bench] = {b.name: b for b in (
           timeout=5400, quick_timeout=600),
     Bench("stage", "bench_stage.py", "A slow shared store vs a node-local staging cache",
           timeout=3600, quick_timeout=300),
+    Bench("kept", "bench_kept.py", "A training loop that keeps a batch for good",
+          timeout=1800, quick_timeout=300),
 )}
 
 # Distributions whose versions the machine section lists; the peers table reuses some.
@@ -764,8 +766,31 @@ def stage_section(res: Results, plotter: Plotter) -> Section:
     return Section(lines, targets)
 
 
+KEPT_ORDER = ("none", "kept", "kept_without_detach")
+
+
+def kept_section(res: Results, plotter: Plotter) -> Section:
+    rows = {str(d.get("contender")): d for d in res.lines if d.get("kind") == "contender"}
+    names = _ordered(list(rows), KEPT_ORDER)
+    s = res.summary
+    lines = _setup(s, (("files", "files"), ("repeat", "runs"), ("epochs", "timed epochs per run"),
+                       ("cpus", "CPUs")))
+    lines += ["", "Raw `ShardLoader` epochs (batch 256, 2 workers; `none`: the loop keeps no "
+              "batch; `kept`: it keeps one for good; `kept_without_detach`: the same without "
+              "`Ring.detach`, as before it existed), median of the runs' median epochs:", ""]
+    lines += md_table(("contender", "epoch s", "samples/s", "copied_out", "detached"),
+                      [(n, *(fmt(rows.get(n, {}).get(k)) for k in (
+                          "median_epoch_seconds", "samples_per_s", "copied_out", "detached")))
+                       for n in names])
+    lines += [""]
+    lines += _figures("Ratios (epoch seconds over `none`'s)", {
+        k: s[k] for k in ("kept_vs_none", "kept_without_detach_vs_none") if s and k in s})
+    return Section(lines, {})
+
+
 SECTIONS: dict[str, Callable[[Results, Plotter], Section]] = {
-    "pack": pack_section, "read": read_section, "loader": loader_section, "stage": stage_section}
+    "pack": pack_section, "read": read_section, "loader": loader_section, "stage": stage_section,
+    "kept": kept_section}
 
 
 # --- the report ------------------------------------------------------------------------------

@@ -20,6 +20,13 @@
  *   buffer_offset(inner, outer) -> int    where inner's first byte lies in outer's buffer (both
  *                                         contiguous); ValueError when it is not inside.  Not an
  *                                         atomic: a fast pointer difference for shardio.sharedbytes
+ *   privatize(buf, off, n) -> int         give the pages holding bytes [off, off + n) of `buf` (a
+ *                                         shared mapping) private copies, at the same addresses:
+ *                                         copy them to fresh anonymous memory, then mremap that
+ *                                         over them (MREMAP_FIXED swaps the pages in one step, so
+ *                                         a reader sees the old or the new page, with the same
+ *                                         bytes).  Returns the bytes swapped (whole pages).  For
+ *                                         shardio.ring's Ring.detach; not an atomic either
  *
  * `buf` is any C-contiguous buffer (mmap, memoryview, bytearray); it must be writable except for
  * the loads.  `off` is a byte offset; the word must lie inside the buffer and its address must be
@@ -34,9 +41,11 @@
 #include <limits.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 #include <linux/futex.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -334,6 +343,53 @@ futex_wake(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(rc);
 }
 
+static PyObject *
+privatize(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    if (check_nargs("privatize", nargs, 3, 3) < 0) {
+        return NULL;
+    }
+    Py_ssize_t off = PyLong_AsSsize_t(args[1]);
+    if (off == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t base = (uintptr_t)view.buf;
+    if (off < 0 || n <= 0 || off > view.len - n || base % page != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "privatize: bytes [%zd, %zd) are not inside the page-aligned %zd-byte buffer",
+                     off, off + n, view.len);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uintptr_t p0 = (base + (uintptr_t)off) & ~(page - 1);
+    uintptr_t p1 = (base + (uintptr_t)off + (uintptr_t)n + page - 1) & ~(page - 1);
+    size_t len = (size_t)(p1 - p0);
+    void *fresh = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (fresh == MAP_FAILED) {
+        PyBuffer_Release(&view);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    memcpy(fresh, (void *)p0, len);
+    void *moved = mremap(fresh, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, (void *)p0);
+    int err = errno;
+    PyBuffer_Release(&view);
+    if (moved == MAP_FAILED) {
+        munmap(fresh, len);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSize_t(len);
+}
+
 static PyMethodDef atomics_methods[] = {
     {"load_u64", (PyCFunction)(void (*)(void))load_u64, METH_FASTCALL,
      "load_u64(buf, off) -> int\n\nAcquire load of the aligned u64 at byte offset off."},
@@ -360,6 +416,9 @@ static PyMethodDef atomics_methods[] = {
     {"futex_wake", (PyCFunction)(void (*)(void))futex_wake, METH_FASTCALL,
      "futex_wake(buf, off, n=1) -> int\n\nWake up to n sleepers on the u32 at off (shared "
      "FUTEX_WAKE); returns how many were woken."},
+    {"privatize", (PyCFunction)(void (*)(void))privatize, METH_FASTCALL,
+     "privatize(buf, off, n) -> int\n\nGive the pages holding bytes [off, off + n) of the "
+     "shared mapping buf private copies at the same addresses; returns the bytes swapped."},
     {NULL, NULL, 0, NULL},
 };
 

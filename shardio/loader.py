@@ -48,6 +48,8 @@ class _Lease(np.ndarray):
 
 
 _ONE_THREAD = [0]  # pid of the process whose torch was set to one intra-op thread
+# Detach events per epoch before batches are copied out of the ring instead (see _unpin).
+_MAX_DETACH_EVENTS = 8
 
 
 class _Job:
@@ -183,6 +185,10 @@ class ShardLoader:
         self._released: deque[tuple[Any, Any]] = deque()
         self._delivered = 0
         self._warned_copy = False
+        self._detach_events = 0  # this epoch's (see _unpin)
+        # Batches handed out from a ring, oldest first: (handout number, ring, message).
+        self._leased: deque[tuple[int, Any, Any]] = deque()
+        self._handouts = 0
         self._finished = False
 
     # --- sizes and epochs --------------------------------------------------------------------
@@ -301,14 +307,15 @@ class ShardLoader:
                     "ring_bytes", RuntimeWarning, stacklevel=3)
             self._stats.copied_out += 1
             return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views)
+        self._unpin()
         # Batches the loop still holds, not counting this one (it has only just arrived).
-        if spilled or (ring.held_bytes() - msg.nbytes
-                       > ring.capacity * self.options.max_held_fraction):
+        if spilled or self._detach_events > _MAX_DETACH_EVENTS or (
+                ring.held_bytes() - msg.nbytes > ring.capacity * self.options.max_held_fraction):
             if not self._warned_copy:
                 self._warned_copy = True
                 warnings.warn(
                     "the training loop holds on to so many batches that the shared-memory ring "
-                    "would fill; shardio copies batches out of the ring from now on (slower). "
+                    "would fill; shardio copies batches out of the ring while it does (slower). "
                     "Drop references to old batches, or raise ring_bytes", RuntimeWarning,
                     stacklevel=3)
             self._stats.copied_out += 1
@@ -319,7 +326,43 @@ class ShardLoader:
             return read_tree(buf, torch.from_numpy, views)
         lease = ring.array(msg, writable=True).view(_Lease)
         weakref.finalize(lease, self._released.append, (ring, msg))
+        self._handouts += 1
+        self._leased.append((self._handouts, ring, msg))
         return read_tree(lease, torch.from_numpy, views)
+
+    def _unpin(self) -> None:
+        """Move batches the loop keeps out of their rings before they stop them (``Ring.detach``).
+
+        A ring frees space in stream order, so one batch kept for good (a batch saved for
+        plotting, a variable left bound after a loop) would stop its ring once the worker came
+        round to it, and every later batch of that worker would crawl through its pipe.  A loop
+        holds the batch it works on while it asks for the next; a batch handed out before that
+        one and still held is kept on purpose, and gets its pages replaced by private copies at
+        the same addresses instead (one copy; the user's tensors do not notice) and its ring
+        space back.  A loop that keeps batch after batch would need that at every step (and a
+        new mapping of the ring each time): after ``_MAX_DETACH_EVENTS`` in an epoch every later
+        batch of the epoch is copied out of the ring on arrival instead (see ``_materialize``),
+        and the kept ones still in a ring move out together."""
+        self._drain_releases()
+        if not self._leased:
+            return
+        bulk = self._detach_events > _MAX_DETACH_EVENTS
+        last = self._handouts
+        pins: dict[int, tuple[Any, list[Any]]] = {}
+        still: deque[tuple[int, Any, Any]] = deque()
+        for entry in self._leased:
+            n, ring, msg = entry
+            if msg.detached or not msg.in_use or ring.closed:
+                continue  # released (or queued for it), moved out, or its pool is gone
+            if bulk or n < last:
+                pins.setdefault(id(ring), (ring, []))[1].append(msg)
+            else:
+                still.append(entry)
+        self._leased = still
+        for ring, msgs in pins.values():
+            ring.detach(msgs)
+            self._detach_events += 1
+            self._stats.detached += len(msgs)
 
     def __iter__(self) -> Iterator[Any]:
         pool = self._ensure_pool()
@@ -333,6 +376,7 @@ class ShardLoader:
                                if ds.options.order == "node" else None)}
         self._delivered = 0
         self._finished = False
+        self._detach_events = 0
         self._stats.begin_epoch()
         self._stats.restarts = pool.restarts
         ds._start_staging(ds.epoch, self.batch_size)
@@ -415,6 +459,7 @@ class ShardLoader:
         """Stop the workers and release shared memory (also done at garbage collection)."""
         if self._pool is not None:
             self._released.clear()
+            self._leased.clear()
             self._pool.close()
             self._pool = None
 

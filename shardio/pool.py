@@ -57,9 +57,10 @@ Ring sizing
     rings are sized from a real batch, made by a worker (the user's code never runs in main),
     and created while the other workers are already producing.  A worker that gets another
     command while it waits drops its batch and obeys it.  Main keeps each ring's descriptor
-    while the pool lives: a worker restarted after the rings exist inherits its ring through
-    ``fork``, descriptor included, and allocates its pages itself (a no-op if the worker it
-    replaces had done it; not if that one died before).  A worker that cannot allocate them
+    while the pool lives (with an explicit size too: ``Ring.detach`` maps the ring again
+    through it): a worker restarted after the rings exist inherits its ring through ``fork``,
+    descriptor included, and allocates its pages itself (a no-op if the worker it replaces had
+    done it, or if main had; not if that one died before).  A worker that cannot allocate them
     (ENOSPC: ``/dev/shm`` filled up after main's check) sends a
     :data:`~shardio._tree.KIND_RING_SPACE` message (a ``ShmSpaceError``) through its pipe and
     goes on without a ring; main never drops that message, whatever its epoch, and closes the
@@ -635,7 +636,7 @@ class WorkerPool:
                 ring = None
                 if sized:
                     ring = Ring.create(o.ring_bytes, directory=o.shm_dir, unlink_now=True,
-                                       space_checked=True)
+                                       keep_fd=True, space_checked=True)
                 w = _Worker(i, ring)
                 self._workers.append(w)
                 self._spawn(w)

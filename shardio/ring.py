@@ -50,6 +50,9 @@ Protocol
     Received messages may be released in any order; ``tail`` advances only over the contiguous
     released prefix (SKIP regions count as released).  After ``tail`` moves the consumer
     increments ``space_seq`` and wakes the producer only if ``producer_waiting`` is set.
+    A message the consumer must keep for good would stop ``tail`` for good: ``detach`` takes
+    it out of the ring instead (its pages become private copies, at the same addresses, in the
+    consumer's mapping; the consumer maps the ring afresh; the message counts as released).
 
 How a blocked side sleeps and wakes (consumer shown; the producer mirrors it on space_seq)::
 
@@ -112,6 +115,7 @@ from ._atomics import futex_wait as _futex_wait
 from ._atomics import futex_wake as _futex_wake
 from ._atomics import load_u32 as _load_u32
 from ._atomics import load_u64 as _load_u64
+from ._atomics import privatize as _privatize
 from ._atomics import store_u32 as _store_u32
 from ._atomics import store_u64 as _store_u64
 from .errors import (
@@ -176,16 +180,27 @@ class Message:
         end: stream position just past the record; ``tail`` reaches it once this message and all
             earlier ones are released.
         nbytes: payload length.
+        detached: moved out of the ring by :meth:`Ring.detach` (its bytes are private to this
+            process, where they were; releasing it does nothing).
     """
 
-    __slots__ = ("view", "start", "end", "nbytes", "_arrays")
+    __slots__ = ("view", "start", "end", "nbytes", "_arrays", "detached", "_mm")
 
-    def __init__(self, view: memoryview, start: int, end: int) -> None:
+    def __init__(self, view: memoryview, start: int, end: int, mm: Any = None) -> None:
         self.view = view
         self.start = start
         self.end = end
         self.nbytes = len(view)
         self._arrays: list[weakref.ref[np.ndarray]] | None = None
+        self.detached = False
+        # The mapping it was received through: every view of it is made from this one, and
+        # Ring.detach makes its pages private there.
+        self._mm = mm
+
+    @property
+    def in_use(self) -> bool:
+        """An array from :meth:`Ring.array` (or one viewing it) still exists."""
+        return self._arrays is not None and any(ref() is not None for ref in self._arrays)
 
     def __repr__(self) -> str:
         return f"Message(start={self.start}, end={self.end}, nbytes={self.nbytes})"
@@ -618,7 +633,7 @@ class Ring:
                     "producer wrote outside its reservation or the file was modified")
             self._rpos = end
             start = _HEADER_BYTES + off + _RECORD_HEADER
-            msg = Message(self._ro[start:start + length], rpos, end)
+            msg = Message(self._ro[start:start + length], rpos, end, mm)
             entry = [end, False]
             self._order.append(entry)
             self._held[rpos] = (msg, entry)
@@ -640,13 +655,13 @@ class Ring:
                 message stays held.
             UsageError: ``msg`` is not held by this ring (already released, or from another ring).
         """
-        if self._mm is None:  # closed here: the space no longer matters
+        if self._mm is None or msg.detached:  # closed here, or out of the ring already
             return
         item = self._held.get(msg.start)
         if item is None or item[0] is not msg:
             raise UsageError(f"{msg!r} is not held by ring {self._name()}: released twice, or "
                              "received from another ring")
-        if msg._arrays is not None and any(ref() is not None for ref in msg._arrays):
+        if msg.in_use:
             raise MessageInUseError(
                 f"{msg!r} of ring {self._name()} is still viewed by arrays from ring.array(msg) "
                 "(or arrays/tensors made from them); delete them, or copy the data out, before "
@@ -664,15 +679,84 @@ class Ring:
         The array pins the message: :meth:`release` raises MessageInUseError while it, or any
         array or tensor viewing it, exists.
         """
+        if msg.detached:
+            raise UsageError(f"{msg!r} was detached from ring {self._name()}: use the arrays "
+                             "made before")
+        self._open()
         if writable:
             start = _HEADER_BYTES + msg.start % self.capacity + _RECORD_HEADER
-            arr = np.frombuffer(self._open(), dtype=np.uint8, count=msg.nbytes, offset=start)
+            arr = np.frombuffer(msg._mm, dtype=np.uint8, count=msg.nbytes, offset=start)
         else:
             arr = np.frombuffer(msg.view, dtype=np.uint8)
         if msg._arrays is None:
             msg._arrays = []
         msg._arrays.append(weakref.ref(arr))
         return arr
+
+    def held_messages(self) -> list[Message]:
+        """The messages received and not yet released, oldest first."""
+        return [item[0] for item in self._held.values()]
+
+    @property
+    def read_position(self) -> int:
+        """Consumer side: stream position just past the last message received."""
+        return self._rpos
+
+    def detach(self, msgs: list[Message]) -> int:
+        """Take held messages out of the ring, leaving everything that views them intact.
+
+        For a consumer that must keep some messages indefinitely (a training loop that keeps
+        a batch): a held message stops the ring's ``tail`` where it is, so once the producer has
+        gone round to it, the ring is full for good.  Here the pages holding each message, in
+        this process's mapping, become private copies at the same addresses (see
+        ``privatize`` in ``shardio/_atomics.c``), so arrays, tensors and memoryviews of it go on
+        reading the same bytes; and the messages' space goes back to the producer, as by
+        :meth:`release`.  Every view of a message is made from the mapping it was received
+        through, and the pages are made private there.  When that is the ring's current mapping,
+        this process maps the ring afresh (through the descriptor kept by ``keep_fd``) for every
+        later message; the old mapping lives while anything views it.  The private pages may
+        hold parts of neighbouring records: only of ones already received (their bytes are
+        final), since later ones are read through the fresh mapping.  It costs a copy of each
+        message (whole pages).  Writes to such a message by other threads of this process while
+        this runs may be lost.
+
+        Returns:
+            Bytes copied.
+
+        Raises:
+            UsageError: a message is not held by this ring, or the ring keeps no descriptor.
+        """
+        mm = self._open()
+        if self.fd is None:
+            raise UsageError("Ring.detach() maps the ring again: create it with keep_fd=True")
+        for msg in msgs:
+            item = self._held.get(msg.start)
+            if item is None or item[0] is not msg:
+                raise UsageError(f"{msg!r} is not held by ring {self._name()}")
+        if not msgs:
+            return 0
+        fresh = None
+        if any(msg._mm is mm for msg in msgs):
+            fresh = mmap.mmap(self.fd, len(mm), mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE)
+        copied = 0
+        for msg in msgs:
+            if msg.nbytes:
+                start = _HEADER_BYTES + msg.start % self.capacity + _RECORD_HEADER
+                copied += _privatize(msg._mm, start, msg.nbytes)
+        if fresh is not None:
+            # Every later access goes through the fresh mapping: the current one now has
+            # private pages.
+            self._mm = fresh
+            self._rw = memoryview(fresh)
+            self._ro = self._rw.toreadonly()
+        for msg in msgs:
+            _msg, entry = self._held.pop(msg.start)
+            self._held_bytes -= msg.nbytes
+            entry[1] = True
+            msg.detached = True
+        self._advance()
+        return copied
 
     def _advance(self) -> None:
         order = self._order

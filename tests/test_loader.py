@@ -414,8 +414,13 @@ def test_batches_view_the_shared_ring(images: tuple[Path, dict[str, np.ndarray],
 def test_kept_batches_are_never_overwritten(images: tuple[Path, dict[str, np.ndarray],
                                                           dict[str, int]],
                                             make_loader: Callable[..., ShardLoader]) -> None:
-    """Keeping every batch of an epoch with rings that hold ~3 batches: the loader must copy out
-    (and spill) instead of deadlocking or reusing memory the kept batches still view."""
+    """Keeping every batch of an epoch with rings that hold ~3 batches: the loader must move
+    the kept batches out of the rings as later ones come (Ring.detach: private pages at the
+    same addresses; a detach of a ring's current mapping maps the ring afresh), then, after
+    _MAX_DETACH_EVENTS of them, copy the later ones out on arrival (one warning, and the
+    mappings stay few), instead of deadlocking or reusing memory the kept batches still view."""
+    from shardio.loader import _MAX_DETACH_EVENTS
+
     root, pixels, labels = images
     loader = make_loader(ShardDataset(root, seed=6, decode=True), 4, ring_bytes="40KiB", **FAST)
     expected = expected_rank_batches(epoch_keys(root, seed=6), 0, 1, 0, 4, "pad")
@@ -424,16 +429,19 @@ def test_kept_batches_are_never_overwritten(images: tuple[Path, dict[str, np.nda
         kept = list(loader)
     assert copy_warnings(caught) == 1, [str(w.message) for w in caught]
     assert "ring_bytes" in str(caught[0].message)
-    assert loader.stats()["copied_out"] > 0
     assert len(kept) == len(expected) == 12
-    zero_copy = [b for b in kept if "/dev/shm/shardio-" in (shm_mapping_of(b["png"].data_ptr())
-                                                           or "")]
-    assert zero_copy, "the first batches should still view the ring"
+    assert loader.stats()["detached"] > _MAX_DETACH_EVENTS
+    assert loader.stats()["copied_out"] > 0
+    assert "/dev/shm/shardio-" not in (shm_mapping_of(kept[0]["png"].data_ptr()) or ""), \
+        "the first batch should have left the ring"
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        ring_lines = sum("/dev/shm/shardio-" in line for line in f)
+    assert ring_lines < 3 * 2 * (_MAX_DETACH_EVENTS + 3), ring_lines
     for batch, keys in zip(kept, expected):
         check_image_batch(batch, keys, pixels, labels)
     # Once the batches are dropped, the ring is reused: the next epoch is zero-copy again.
     copied = loader.stats()["copied_out"]
-    del kept, zero_copy, batch, caught
+    del kept, batch, caught
     for batch, keys in zip(loader, expected):
         assert "/dev/shm/shardio-" in (shm_mapping_of(batch["png"].data_ptr()) or "")
         check_image_batch(batch, keys, pixels, labels)
@@ -443,12 +451,13 @@ def test_kept_batches_are_never_overwritten(images: tuple[Path, dict[str, np.nda
 def test_one_batch_kept_forever_pins_nothing(images: tuple[Path, dict[str, np.ndarray],
                                                            dict[str, int]],
                                              make_loader: Callable[..., ShardLoader]) -> None:
-    """A single kept batch blocks its ring's space from being reused in order (the ring frees
-    space in stream order); the loader must still get through several epochs, not hang."""
+    """A single kept batch would block its ring's space from being reused in order (the ring
+    frees space in stream order), and every later batch of that worker would crawl through its
+    pipe.  The loader moves it out of the ring once (Ring.detach): several epochs, nothing
+    copied out or spilled, no warning, and the kept batch intact."""
     root, pixels, labels = images
     # A 48 KiB ring holds ~4 batches; the loop holds at most 2 of them (the kept one and the
-    # current one), under max_held_fraction, so only the spill path can get the worker past the
-    # kept batch.
+    # current one), under max_held_fraction: only the pin check moves the kept one out.
     loader = make_loader(ShardDataset(root, seed=8, decode=True), 4, ring_bytes="48KiB", **FAST)
     first = None
     with warnings.catch_warnings(record=True) as caught:
@@ -466,24 +475,24 @@ def test_one_batch_kept_forever_pins_nothing(images: tuple[Path, dict[str, np.nd
             assert n == len(expected)
             assert first is not None
             check_image_batch(first[0], first[1], pixels, labels)
-    assert copy_warnings(caught) == 1
-    assert loader.stats()["copied_out"] > 0
+    assert copy_warnings(caught) == 0
+    assert loader.stats()["copied_out"] == 0 and loader.stats()["detached"] == 1
+    assert "/dev/shm/shardio-" not in (shm_mapping_of(first[0]["png"].data_ptr()) or "")
 
 
 def test_break_while_holding_then_next_epoch(text: Path,
                                              make_loader: Callable[..., ShardLoader]) -> None:
-    """Break out mid-epoch while the kept batches fill the rings; the next epoch must start
-    (workers blocked on a full ring abandon the old epoch) and be complete."""
+    """Break out mid-epoch holding 5 batches (the older ones moved out of the rings) while the
+    batches prefetched behind them fill the rings; the next epoch must start (workers blocked on
+    a full ring abandon the old epoch) and be complete, and the kept batches stay intact."""
     ds = ShardDataset(text, seed=12, transform=big_payload)
     loader = make_loader(ds, 4, ring_bytes="3MiB", **FAST)
     kept = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for batch in loader:
-            kept.append(batch)
-            if len(kept) == 5:
-                break
-    assert copy_warnings(caught) == 1
+    for batch in loader:
+        kept.append(batch)
+        if len(kept) == 5:
+            break
+    assert loader.stats()["detached"] == 3  # moved out as each later one came: all but 2
     time.sleep(0.3)  # let the workers run into their full rings
     loader.set_epoch(1)
     expected = expected_rank_batches(epoch_keys(text, seed=12, epoch=1), 0, 1, 0, 4, "pad")
@@ -1210,7 +1219,8 @@ def test_workers_run_one_torch_thread_and_freeze_inherited_objects(
 
 # --- 7. data-wait accounting -----------------------------------------------------------------
 STAT_KEYS = {"steps", "wait_s", "compute_s", "wait_fraction", "wait_per_step_s",
-             "compute_per_step_s", "stage_s", "stage_per_batch_s", "copied_out", "restarts"}
+             "compute_per_step_s", "stage_s", "stage_per_batch_s", "copied_out", "detached",
+             "restarts"}
 STAGES = {"read", "decode", "transform", "collate", "write", "total"}
 
 

@@ -845,3 +845,82 @@ def test_file_bytes_and_a_space_check_done_by_the_caller(monkeypatch: pytest.Mon
         assert ring.capacity == 4096
     finally:
         ring.close()
+
+
+def test_detach_keeps_a_held_message_intact_and_the_ring_flowing() -> None:
+    """A consumer keeps message 0 for good: detach() leaves its arrays, tensors and view
+    reading the same bytes while the producer goes round the ring many times over its old
+    place, and gives its space back (without it the ring would stay full: the tail stops at the
+    oldest held message).  A neighbour received before the detach reads right through both its
+    view and a later array(); releasing the detached message does nothing."""
+    import torch
+
+    ring = Ring.create(64 << 10, unlink_now=True, keep_fd=True)
+    try:
+        ring.send(b"A" * 5000)
+        ring.send(b"B" * 7000)
+        first = ring.recv(timeout=1)
+        second = ring.recv(timeout=1)
+        arr = ring.array(first, writable=True)
+        tensor = torch.from_numpy(arr[100:4100])
+        view = first.view
+        with pytest.raises(RingTimeoutError):  # the two held messages block a full lap
+            for _ in range(20):
+                ring.send(b"x" * 9000, timeout=0)
+        while True:  # drain what fitted
+            try:
+                ring.release(ring.recv(timeout=0))
+            except RingTimeoutError:
+                break
+        assert ring.detach([first]) >= 5000
+        assert first.detached and ring.held_messages() == [second]
+        assert bytes(second.view) == b"B" * 7000
+        assert bytes(ring.array(second)) == b"B" * 7000
+        ring.release(second)
+        for i in range(200):  # ~28 laps of the ring, over first's old place
+            payload = bytes([i % 251]) * (3000 + 37 * i)
+            ring.send(payload, timeout=1)
+            msg = ring.recv(timeout=1)
+            assert bytes(msg.view) == payload
+            ring.release(msg)
+        assert bytes(arr) == b"A" * 5000 and bytes(view) == b"A" * 5000
+        assert bool((tensor == ord("A")).all())
+        ring.release(first)  # a no-op now
+        with pytest.raises(UsageError, match="detached"):
+            ring.array(first)
+        with pytest.raises(UsageError, match="not held"):
+            ring.detach([first])
+    finally:
+        ring.close()
+    plain = Ring.create(1 << 16, unlink_now=True)
+    try:
+        plain.send(b"y" * 100)
+        with pytest.raises(UsageError, match="keep_fd=True"):
+            plain.detach([plain.recv(timeout=1)])
+    finally:
+        plain.close()
+
+
+def test_detach_works_on_the_mapping_a_message_was_received_through() -> None:
+    """After a detach the ring reads through a fresh mapping; a message received before it
+    (and its arrays, made later) still lives in the old one, which is where a later detach must
+    make its pages private: otherwise the producer's next laps overwrite what it views."""
+    ring = Ring.create(64 << 10, unlink_now=True, keep_fd=True)
+    try:
+        for fill in b"ABC":
+            ring.send(bytes([fill]) * 6000)
+        a, b = ring.recv(timeout=1), ring.recv(timeout=1)
+        arr_b = ring.array(b)
+        assert ring.detach([b]) >= 6000  # b's mapping was the current one: the ring remaps
+        c = ring.recv(timeout=1)  # through the fresh mapping
+        arr_a = ring.array(a, writable=True)  # made after the remap, from a's own mapping
+        arr_c = ring.array(c)
+        assert ring.detach([a, c]) >= 12000
+        assert ring.held_messages() == []
+        for i in range(150):  # laps over all three places
+            ring.send(bytes([i % 200]) * (2000 + 53 * i), timeout=1)
+            ring.release(ring.recv(timeout=1))
+        assert bytes(arr_a) == b"A" * 6000 and bytes(a.view) == b"A" * 6000
+        assert bytes(arr_b) == b"B" * 6000 and bytes(arr_c) == b"C" * 6000
+    finally:
+        ring.close()

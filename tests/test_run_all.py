@@ -97,6 +97,16 @@ def stage_lines() -> list[dict[str, Any]]:
                                                       "staged": [1.673, 0.0]}}]
 
 
+def kept_lines() -> list[dict[str, Any]]:
+    rows = [{"bench": "kept", "kind": "contender", "contender": c, "files": 1500, "epochs": 2,
+             "runs": 1, "median_epoch_seconds": sec, "samples_per_s": 1500 / sec,
+             "copied_out": co, "detached": de}
+            for c, sec, co, de in (("none", 0.0109, 0, 0), ("kept", 0.0113, 0, 1),
+                                   ("kept_without_detach", 0.44, 4, 0))]
+    return [*rows, {"bench": "kept", "kind": "summary", "files": 1500, "epochs": 2, "repeat": 1,
+                    "cpus": 2, "kept_vs_none": 1.037, "kept_without_detach_vs_none": 40.367}]
+
+
 MACHINE = {"date": "2030-01-01T00:00:00+00:00", "cpu_count": 2, "cpus_usable": 2,
            "cpu_model": "Test CPU", "memory_gb": 25.3, "loadavg": [0.1, 0.2, 0.3], "os": "Linux",
            "python": "3.11.7", "git_commit": "abc123",
@@ -109,7 +119,8 @@ def results(tmp_path: Path) -> Path:
     out = tmp_path / "results"
     out.mkdir()
     for name, lines in (("pack", pack_lines()), ("read", read_lines()),
-                        ("loader", loader_lines()), ("stage", stage_lines())):
+                        ("loader", loader_lines()), ("stage", stage_lines()),
+                        ("kept", kept_lines())):
         write_jsonl(out / f"{name}.jsonl", lines)
     runs = {name: {"command": f"python benchmarks/{b.script} --json-out X --quick",
                    "cwd": "/repo", "quick": True, "started": "2030-01-01T00:00:00+00:00",
@@ -143,6 +154,9 @@ def test_report_tables_targets_commands_and_plots(results: Path) -> None:
     assert "| 2 | 72,305 | 361.2 | 43,328 |" in stage
     assert "| staged_ge_0.9x_local_from_epoch_2 | MISS |" in stage
     assert "| at_most_one_pass_per_epoch | PASS |" in stage
+    kept = section(report, "kept")
+    assert "| kept_without_detach | 0.44 | 3,409 | 4 | 0 |" in kept
+    assert "| kept_without_detach_vs_none | 40.367 |" in kept
     overview = section(report, "Overview")
     assert "| [pack](#pack) | ok (exit 0, 4 s) | 2030-01-01T00:00:00+00:00 | 1/2 PASS |" in overview
     peers = section(report, "Peers")

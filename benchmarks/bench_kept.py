@@ -1,0 +1,167 @@
+"""Kept-batch benchmark: a training loop that keeps one batch for good, against one that keeps none.
+
+``python benchmarks/bench_kept.py`` builds the dataset exactly as ``bench_read.py`` does
+(:func:`benchmarks.bench_read.prepare`: 20,000 JPEGs of 5-40 KB in 100 class folders, packed
+into 64 MB shards, page cache warm), then runs, each in a fresh child process, a raw-mode
+``ShardLoader`` (batch 256, 2 workers, the loader ``bench_read.py`` times as
+``shardio_loader``, its workers kept across epochs) for a warm-up epoch and ``--epochs``
+timed epochs:
+
+* ``none``: the loop keeps no batch (``for x, label, nbytes in loader: pass``);
+* ``kept``: the loop keeps the last batch of the warm-up epoch for good (a module-level name
+  left bound, a batch saved for plotting);
+* ``kept_without_detach``: the same, with ``ShardLoader._unpin`` turned off in the child: how
+  the loader behaved before ``Ring.detach``.  A ring frees space in stream order, so the kept
+  batch stopped its ring once the worker came round to it, and every later batch of that worker
+  went through its pipe.
+
+Contenders alternate over ``--repeat`` rounds; each run prints its median timed epoch, and the
+summary gives, from the median of the runs: ``kept_vs_none`` (~1: keeping a batch costs one
+copy of it, once) and ``kept_without_detach_vs_none`` (what it cost before), with the loader's
+``copied_out`` and ``detached`` counts.  Timed figures compare within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import add_output_args, emit, run_in_workdir
+
+CONTENDERS = ("none", "kept", "kept_without_detach")
+DEFAULTS = {"files": 20000, "classes": 100, "repeat": 3, "epochs": 3}
+QUICK = {"files": 1500, "classes": 10, "repeat": 1, "epochs": 2}
+
+
+def _warm_up(loader: Any, keep: bool) -> Any:
+    """One untimed epoch; its last batch if ``keep``."""
+    last = None
+    for batch in loader:
+        last = batch if keep else None
+    return last
+
+
+def child(spec: dict[str, Any]) -> int:
+    """One run: a warm-up epoch, then ``epochs`` timed ones; print one JSON line."""
+    import torch  # noqa: F401  (imports outside every timed region)
+
+    from benchmarks.bench_read import _loader
+    from shardio import ShardLoader
+
+    if spec["contender"] == "kept_without_detach":
+        ShardLoader._unpin = lambda self: None  # type: ignore[method-assign]
+    loader, set_epoch = _loader({"kind": "shardio_loader", "mode": "raw", "persistent": True,
+                                 "shards": spec["shards"]})
+    set_epoch(0)
+    kept = _warm_up(loader, keep=spec["contender"] != "none")
+    epochs = []
+    samples = 0
+    for epoch in range(1, spec["epochs"] + 1):
+        set_epoch(epoch)
+        t0 = time.perf_counter()
+        samples = 0
+        for _x, label, _nbytes in loader:
+            samples += len(label)
+        epochs.append(time.perf_counter() - t0)
+    stats = loader.stats()
+    loader.close()
+    del kept
+    print(json.dumps({"contender": spec["contender"], "epoch_seconds": epochs,
+                      "samples": samples, "copied_out": stats["copied_out"],
+                      "detached": stats["detached"]}))
+    return 0
+
+
+def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=900, cwd=str(ROOT))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec['contender']} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, what in (("files", "files to generate"), ("classes", "class folders"),
+                       ("repeat", "runs per contender"), ("epochs", "timed epochs per run")):
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help=f"{what} (default {DEFAULTS[name]})")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run (see child())
+    add_output_args(p, f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}, "
+                       f"{QUICK['epochs']} epochs")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    size = {k: v if (v := getattr(a, k)) is not None else (QUICK if a.quick else DEFAULTS)[k]
+            for k in DEFAULTS}
+    if a.child:
+        return child(json.loads(a.child))
+    if min(size.values()) < 1:
+        print("bench_kept: --files, --classes, --repeat, --epochs must be >= 1", file=sys.stderr)
+        return 2
+    return run_in_workdir("shardio-bench-kept-", a.workdir, a.keep,
+                          lambda work: _bench(work, **size, json_out=a.json_out))
+
+
+def _bench(work: str, files: int, classes: int, repeat: int, epochs: int,
+           json_out: str | None) -> int:
+    from benchmarks.bench_read import prepare
+
+    data = prepare(work, files, classes, "64MB")
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONTENDERS}
+    for rnd in range(repeat):
+        order = CONTENDERS[rnd % 3:] + CONTENDERS[:rnd % 3]
+        for c in order:
+            got = _run_child({"contender": c, "shards": data["shards"], "epochs": epochs})
+            if got["samples"] != files:
+                raise RuntimeError(f"{c} delivered {got['samples']} samples, expected {files}")
+            got["median_epoch_seconds"] = statistics.median(got["epoch_seconds"])
+            runs[c].append(got)
+            print(f"  round {rnd + 1}/{repeat} {c}: median epoch "
+                  f"{got['median_epoch_seconds']:.3f}s (copied_out {got['copied_out']}, "
+                  f"detached {got['detached']})", file=sys.stderr)
+    lines = []
+    for c in CONTENDERS:
+        med = statistics.median(r["median_epoch_seconds"] for r in runs[c])
+        lines.append({"bench": "kept", "kind": "contender", "contender": c, "files": files,
+                      "epochs": epochs, "runs": repeat, "median_epoch_seconds": round(med, 4),
+                      "all_median_epoch_seconds": [round(r["median_epoch_seconds"], 4)
+                                                   for r in runs[c]],
+                      "samples_per_s": round(files / med, 1),
+                      "copied_out": max(r["copied_out"] for r in runs[c]),
+                      "detached": max(r["detached"] for r in runs[c])})
+    by = {ln["contender"]: ln for ln in lines}
+    none = by["none"]["median_epoch_seconds"]
+    summary = {"bench": "kept", "kind": "summary", "files": files, "epochs": epochs,
+               "repeat": repeat, "cpus": os.cpu_count(),
+               "kept_vs_none": round(by["kept"]["median_epoch_seconds"] / none, 3),
+               "kept_without_detach_vs_none": round(
+                   by["kept_without_detach"]["median_epoch_seconds"] / none, 3),
+               "notes": "epoch seconds, median of runs of each run's median timed epoch; "
+                        "ratios > 1 are slower than keeping nothing"}
+    for ln in lines:
+        print(f"{ln['contender']:22s} {ln['median_epoch_seconds']:.3f} s/epoch "
+              f"({ln['samples_per_s']:,.0f} samples/s)  copied_out {ln['copied_out']}  "
+              f"detached {ln['detached']}", file=sys.stderr)
+    print(f"kept/none {summary['kept_vs_none']}x; before Ring.detach "
+          f"{summary['kept_without_detach_vs_none']}x", file=sys.stderr)
+    emit(lines, summary, json_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

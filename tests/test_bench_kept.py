@@ -1,0 +1,32 @@
+"""Smoke test of ``benchmarks/bench_kept.py --quick``: the JSON it prints and the counts that
+show which path each contender took (never the speeds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_reports_every_contender(tmp_path: Path) -> None:
+    out = tmp_path / "lines.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_kept.py"), "--quick",
+         "--workdir", str(tmp_path), "--json-out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    rows, summary = {r["contender"]: r for r in lines[:-1]}, lines[-1]
+    assert set(rows) == {"none", "kept", "kept_without_detach"}
+    assert all(r["files"] == 1500 and r["median_epoch_seconds"] > 0 for r in rows.values())
+    assert rows["none"]["detached"] == 0 and rows["none"]["copied_out"] == 0
+    assert rows["kept"]["detached"] == 1 and rows["kept"]["copied_out"] == 0
+    # Without detach the kept batch stops its ring: that worker's batches take the pipe.
+    assert rows["kept_without_detach"]["detached"] == 0
+    assert rows["kept_without_detach"]["copied_out"] > 0
+    assert summary["kept_vs_none"] > 0 and summary["kept_without_detach_vs_none"] > 0
+    assert "kept/none" in proc.stderr
+    assert not any(p.name.startswith("shardio-bench-kept-") for p in tmp_path.iterdir())
