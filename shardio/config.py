@@ -342,9 +342,9 @@ class LoaderOptions:
             and is killed and started again, counted as a restart.
         max_held_fraction: when batches the user still holds (not counting the one arriving)
             occupy more than this fraction of a ring, new batches are copied out of the ring
-            instead (with a warning); a kept batch that the ring's stream has moved past by
-            more than this fraction of the ring is moved out of it (its pages made private,
-            one copy: ``stats()["detached"]``), so that it does not stop the ring.
+            instead (with a warning).  (A batch still held when a later one is handed out is
+            moved out of its ring whatever this is: its pages made private, one copy,
+            ``stats()["detached"]``, so that it does not stop the ring.)
         log_every: log data-wait statistics every this many steps (0: never).
         warn_window: steps over which persistent data starvation is judged.
         warn_wait_ratio: warn once when waiting exceeds this multiple of computing.
