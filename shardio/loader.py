@@ -186,6 +186,7 @@ class ShardLoader:
         self._delivered = 0
         self._warned_copy = False
         self._detach_events = 0  # this epoch's (see _unpin)
+        self._detach_failed = False
         # Batches handed out from a ring, oldest first: (handout number, ring, message).
         self._leased: deque[tuple[int, Any, Any]] = deque()
         self._handouts = 0
@@ -344,7 +345,7 @@ class ShardLoader:
         batch of the epoch is copied out of the ring on arrival instead (see ``_materialize``),
         and the kept ones still in a ring move out together."""
         self._drain_releases()
-        if not self._leased:
+        if not self._leased or self._detach_failed:
             return
         bulk = self._detach_events > _MAX_DETACH_EVENTS
         last = self._handouts
@@ -360,9 +361,19 @@ class ShardLoader:
                 still.append(entry)
         self._leased = still
         for ring, msgs in pins.values():
-            ring.detach(msgs)
+            before = len(ring.held_messages())
+            try:
+                ring.detach(msgs)
+            except (OSError, UsageError) as exc:
+                # Kept batches then stop their rings as before detach existed: slower (their
+                # workers' batches take the pipe), never wrong.
+                self._detach_failed = True
+                log.warning("cannot move kept batches out of the shared-memory ring (%s); "
+                            "later batches may be slower while they are kept", exc)
             self._detach_events += 1
-            self._stats.detached += len(msgs)
+            self._stats.detached += before - len(ring.held_messages())
+            if self._detach_failed:
+                return
 
     def __iter__(self) -> Iterator[Any]:
         pool = self._ensure_pool()

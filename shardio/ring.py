@@ -725,6 +725,9 @@ class Ring:
 
         Raises:
             UsageError: a message is not held by this ring, or the ring keeps no descriptor.
+            OSError: the kernel refused the mapping or the page swap (ENOMEM: too many
+                mappings, ``vm.max_map_count``); the messages before the one it failed on are
+                detached, the others still held.
         """
         mm = self._open()
         if self.fd is None:
@@ -740,22 +743,26 @@ class Ring:
             fresh = mmap.mmap(self.fd, len(mm), mmap.MAP_SHARED,
                               mmap.PROT_READ | mmap.PROT_WRITE)
         copied = 0
-        for msg in msgs:
-            if msg.nbytes:
-                start = _HEADER_BYTES + msg.start % self.capacity + _RECORD_HEADER
-                copied += _privatize(msg._mm, start, msg.nbytes)
-        if fresh is not None:
-            # Every later access goes through the fresh mapping: the current one now has
-            # private pages.
-            self._mm = fresh
-            self._rw = memoryview(fresh)
-            self._ro = self._rw.toreadonly()
-        for msg in msgs:
-            _msg, entry = self._held.pop(msg.start)
-            self._held_bytes -= msg.nbytes
-            entry[1] = True
-            msg.detached = True
-        self._advance()
+        done: list[Message] = []
+        try:
+            for msg in msgs:
+                if msg.nbytes:
+                    start = _HEADER_BYTES + msg.start % self.capacity + _RECORD_HEADER
+                    copied += _privatize(msg._mm, start, msg.nbytes)
+                done.append(msg)
+        finally:  # a failure (OSError) leaves the messages after it held, as they were
+            if fresh is not None:
+                # Every later access goes through the fresh mapping: the current one may have
+                # private pages now.
+                self._mm = fresh
+                self._rw = memoryview(fresh)
+                self._ro = self._rw.toreadonly()
+            for msg in done:
+                _msg, entry = self._held.pop(msg.start)
+                self._held_bytes -= msg.nbytes
+                entry[1] = True
+                msg.detached = True
+            self._advance()
         return copied
 
     def _advance(self) -> None:

@@ -480,6 +480,39 @@ def test_one_batch_kept_forever_pins_nothing(images: tuple[Path, dict[str, np.nd
     assert "/dev/shm/shardio-" not in (shm_mapping_of(first[0]["png"].data_ptr()) or "")
 
 
+def test_a_kept_batch_that_cannot_be_moved_only_slows_its_ring(
+        images: tuple[Path, dict[str, np.ndarray], dict[str, int]],
+        make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The kernel refuses the page swap (ENOMEM: vm.max_map_count): one warning, no more
+    attempts, and the kept batch stops its ring as before Ring.detach existed: the worker's
+    later batches take its pipe (copied out), every epoch is complete, the kept batch intact."""
+    import errno
+
+    import shardio.ring
+
+    def refused(buf: Any, off: int, n: int) -> int:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(shardio.ring, "_privatize", refused)
+    root, pixels, labels = images
+    loader = make_loader(ShardDataset(root, seed=8, decode=True), 4, ring_bytes="48KiB", **FAST)
+    first = None
+    with caplog.at_level(logging.WARNING, logger="shardio.loader"):
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            expected = expected_rank_batches(epoch_keys(root, seed=8, epoch=epoch), 0, 1, 0, 4,
+                                             "pad")
+            for batch, keys in zip(loader, expected, strict=True):
+                check_image_batch(batch, keys, pixels, labels)
+                first = first or (batch, keys)
+    assert first is not None
+    check_image_batch(first[0], first[1], pixels, labels)
+    moves = [r for r in caplog.records if "cannot move kept batches" in r.getMessage()]
+    assert len(moves) == 1 and "Cannot allocate memory" in moves[0].getMessage()
+    assert loader.stats()["detached"] == 0 and loader.stats()["copied_out"] > 0
+
+
 def test_break_while_holding_then_next_epoch(text: Path,
                                              make_loader: Callable[..., ShardLoader]) -> None:
     """Break out mid-epoch holding 5 batches (the older ones moved out of the rings) while the

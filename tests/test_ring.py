@@ -924,3 +924,40 @@ def test_detach_works_on_the_mapping_a_message_was_received_through() -> None:
         assert bytes(arr_b) == b"B" * 6000 and bytes(arr_c) == b"C" * 6000
     finally:
         ring.close()
+
+
+def test_detach_that_fails_half_way_keeps_the_ring_consistent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page swap fails on the second of two messages (ENOMEM): the first is detached, the
+    second still held (release() then works as usual), and later messages read right."""
+    import errno
+
+    import shardio.ring
+
+    real, calls = shardio.ring._privatize, []
+
+    def second_fails(buf: Any, off: int, n: int) -> int:
+        calls.append(off)
+        if len(calls) == 2:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        return int(real(buf, off, n))
+
+    monkeypatch.setattr(shardio.ring, "_privatize", second_fails)
+    ring = Ring.create(64 << 10, unlink_now=True, keep_fd=True)
+    try:
+        ring.send(b"A" * 6000)
+        ring.send(b"B" * 6000)
+        a, b = ring.recv(timeout=1), ring.recv(timeout=1)
+        arr_a = ring.array(a)
+        with pytest.raises(OSError, match="Cannot allocate memory"):
+            ring.detach([a, b])
+        assert a.detached and not b.detached and ring.held_messages() == [b]
+        ring.release(b)
+        for i in range(60):
+            ring.send(bytes([i]) * 5000, timeout=1)
+            msg = ring.recv(timeout=1)
+            assert bytes(msg.view) == bytes([i]) * 5000
+            ring.release(msg)
+        assert bytes(arr_a) == b"A" * 6000
+    finally:
+        ring.close()
