@@ -3,9 +3,12 @@
 Workers (:mod:`shardio.pool`) read, decode, transform and collate whole batches and write them
 into per-worker shared-memory rings; the training loop receives tensors that view the ring
 (zero-copy).  A ring region is reused only after every tensor of its batch is garbage: each
-batch's arrays hang off one *lease* object whose finalizer queues the region for release.  If
-the user keeps so many batches that a ring would fill, new batches are copied out of the ring,
-or reach main through the worker's spill pipe when the kept batches pin the whole ring (see
+batch's arrays hang off one *lease* object whose finalizer queues the region for release.  A
+batch the user keeps (still held when a later one is handed out) is moved out of its ring
+(``Ring.detach``: its pages become private copies at the same addresses), since a ring frees
+space in order and a kept batch would otherwise stop it.  If the user keeps so many batches
+that a ring would fill (or needs many such moves in an epoch), new batches are copied out of the
+ring, or reach main through the worker's spill pipe when the ring is full anyway (see
 :mod:`shardio.pool`), with one warning, instead of deadlocking or overwriting.
 """
 
@@ -309,9 +312,11 @@ class ShardLoader:
             self._stats.copied_out += 1
             return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views)
         self._unpin()
-        # Batches the loop still holds, not counting this one (it has only just arrived).
+        # Batches of this ring the loop still holds (not those received ahead of their turn,
+        # nor this one: it has only just arrived).
         if spilled or self._detach_events > _MAX_DETACH_EVENTS or (
-                ring.held_bytes() - msg.nbytes > ring.capacity * self.options.max_held_fraction):
+                sum(m.nbytes for m in ring.held_messages() if m.in_use)
+                > ring.capacity * self.options.max_held_fraction):
             if not self._warned_copy:
                 self._warned_copy = True
                 warnings.warn(
