@@ -190,7 +190,8 @@ class ShardLoader:
         self._warned_copy = False
         self._detach_events = 0  # this epoch's (see _unpin)
         self._detach_failed = False
-        # Batches handed out from a ring, oldest first: (handout number, ring, message).
+        # Batches handed out from a ring and not yet seen released, oldest first: (hand-out
+        # number, ring, message); every batch handed out is numbered (see _unpin).
         self._leased: deque[tuple[int, Any, Any]] = deque()
         self._handouts = 0
         self._finished = False
@@ -302,6 +303,8 @@ class ShardLoader:
     def _materialize(self, ring: Any, msg: Any) -> Any:
         spilled = ring is None  # came through the worker's spill pipe: already a private copy
         views = self.dataset.options.zero_copy  # bytes columns as arrays viewing the message
+        self._unpin()  # before this hand-out is counted: it spares the previous one
+        self._handouts += 1
         if spilled and self.ring_bytes and len(msg.view) > self.ring_bytes - 4096:
             if not self._warned_big:
                 self._warned_big = True
@@ -311,7 +314,6 @@ class ShardLoader:
                     "ring_bytes", RuntimeWarning, stacklevel=3)
             self._stats.copied_out += 1
             return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views)
-        self._unpin()
         # Batches of this ring the loop still holds (not those received ahead of their turn,
         # nor this one: it has only just arrived).
         if spilled or self._detach_events > _MAX_DETACH_EVENTS or (
@@ -332,7 +334,6 @@ class ShardLoader:
             return read_tree(buf, torch.from_numpy, views)
         lease = ring.array(msg, writable=True).view(_Lease)
         weakref.finalize(lease, self._released.append, (ring, msg))
-        self._handouts += 1
         self._leased.append((self._handouts, ring, msg))
         return read_tree(lease, torch.from_numpy, views)
 
