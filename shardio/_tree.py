@@ -262,7 +262,8 @@ def read_header(buf: Any) -> tuple[int, int, dict[str, float], int]:
 
 
 def read_tree(buf: np.ndarray, to_tensor: Callable[[np.ndarray], Any] | None = None,
-              bytes_as_views: bool = False) -> Any:
+              bytes_as_views: bool = False, *, copy: bool = False,
+              on_field: Callable[[np.ndarray, int, int], None] | None = None) -> Any:
     """Rebuild a message's tree with arrays viewing ``buf`` (a uint8 array over the message).
 
     Args:
@@ -270,40 +271,66 @@ def read_tree(buf: np.ndarray, to_tensor: Callable[[np.ndarray], Any] | None = N
         to_tensor: applied to arrays that were tensors (e.g. ``torch.from_numpy``).
         bytes_as_views: a collated column of ``bytes`` comes back as read-only ``uint8`` arrays
             viewing ``buf`` (no copy; they keep ``buf`` alive) rather than as ``bytes`` copies.
+        copy: every array (and bytes column) gets memory of its own instead of viewing ``buf``:
+            keeping one field of the batch then keeps nothing else of it.
+        on_field: called as ``on_field(array, offset, nbytes)`` for each array and bytes column,
+            with the message bytes it views.  While ``array`` is alive (a weak reference
+            tells), so is every view handed out of those bytes: the arrays that tensors wrap,
+            and the plain ``ndarray`` arrays and columns whose base is a view of ``buf`` of
+            another type, are where numpy stops collapsing a chain of views.
     """
     _kind, n, _step, mlen, _p, *_t = _HEAD.unpack_from(buf, 0)
     table = [struct.unpack_from("<QQ", buf, _HEAD.size + 16 * i) for i in range(n)]
     mstart = _HEAD.size + 16 * n
     skeleton = pickle.loads(buf[mstart : mstart + mlen].tobytes())
-    return _build(skeleton, buf, table, to_tensor, bytes_as_views)
+    return _build(skeleton, buf, table, to_tensor, _How(bytes_as_views, copy, on_field))
+
+
+class _How(NamedTuple):
+    views: bool
+    copy: bool
+    on_field: Callable[[np.ndarray, int, int], None] | None
 
 
 def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
-           to_tensor: Callable[[np.ndarray], Any] | None, views: bool = False) -> Any:
+           to_tensor: Callable[[np.ndarray], Any] | None, how: _How) -> Any:
     # A module-level function, not a closure: a recursive closure is a reference cycle that
     # would keep ``buf`` (and so the ring region) alive until the cyclic GC runs.
     if isinstance(x, _Arr):
         off, nbytes = table[x.index]
         arr = buf[off : off + nbytes].view(np.dtype(x.dtype)).reshape(x.shape)
-        return to_tensor(arr) if (x.tensor and to_tensor is not None) else arr
+        tensor = x.tensor and to_tensor is not None
+        if how.copy:
+            arr = np.array(arr, copy=True, subok=False)
+        elif not tensor and type(arr) is not np.ndarray:
+            # A plain ndarray whose base is the subclass view: views of it stop here (see
+            # on_field), and the cyclic GC does not track it.
+            arr = arr.view(np.ndarray)
+        if how.on_field is not None:
+            how.on_field(arr, off, nbytes)
+        return to_tensor(arr) if tensor else arr  # type: ignore[misc]
     if isinstance(x, _Bytes):
         off, nbytes = table[x.data]
         boff, bbytes = table[x.bounds]
         bounds = buf[boff : boff + bbytes].view(np.int64).tolist()
-        if views:
+        if how.views:
             # Plain ndarrays (a subclass instance would be tracked by the cyclic GC), read-only;
             # their base chain holds ``buf``, and with it the message's place in the ring.
             col = buf[off : off + nbytes].view(np.ndarray)
+            if how.copy:
+                col = col.copy()
             col.flags.writeable = False
+            if how.on_field is not None:
+                how.on_field(col, off, nbytes)
             return [col[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         data = memoryview(buf[off : off + nbytes])
         return [bytes(data[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     if isinstance(x, dict):
-        return {k: _build(v, buf, table, to_tensor, views) for k, v in x.items()}
+        return {k: _build(v, buf, table, to_tensor, how) for k, v in x.items()}
     if isinstance(x, list):
-        return [_build(v, buf, table, to_tensor, views) for v in x]
+        return [_build(v, buf, table, to_tensor, how) for v in x]
     if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        return tuple(_build(v, buf, table, to_tensor, views) for v in x)
+        return tuple(_build(v, buf, table, to_tensor, how) for v in x)
     return x
 
 

@@ -191,8 +191,9 @@ class ShardLoader:
         self._detach_events = 0  # this epoch's (see _unpin)
         self._detach_failed = False
         # Batches handed out from a ring and not yet seen released, oldest first: (hand-out
-        # number, ring, message); every batch handed out is numbered (see _unpin).
-        self._leased: deque[tuple[int, Any, Any]] = deque()
+        # number, ring, message, its fields as (weak reference, offset, nbytes)); every batch
+        # handed out is numbered (see _unpin).
+        self._leased: deque[tuple[int, Any, Any, list[Any]]] = deque()
         self._handouts = 0
         self._finished = False
 
@@ -329,13 +330,19 @@ class ShardLoader:
             self._stats.copied_out += 1
             if spilled:
                 return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views)
-            buf = np.frombuffer(bytearray(msg.view), dtype=np.uint8)
+            # Each field copied on its own: a loop that keeps one field of every batch (its
+            # labels, say) keeps that much, not whole batches.
+            tree = read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views,
+                             copy=True)
             ring.release(msg)
-            return read_tree(buf, torch.from_numpy, views)
+            return tree
         lease = ring.array(msg, writable=True).view(_Lease)
         weakref.finalize(lease, self._released.append, (ring, msg))
-        self._leased.append((self._handouts, ring, msg))
-        return read_tree(lease, torch.from_numpy, views)
+        fields: list[tuple[weakref.ref[Any], int, int]] = []
+        tree = read_tree(lease, torch.from_numpy, views,
+                         on_field=lambda a, off, n: fields.append((weakref.ref(a), off, n)))
+        self._leased.append((self._handouts, ring, msg, fields))
+        return tree
 
     def _unpin(self) -> None:
         """Move batches the loop keeps out of their rings before they stop them (``Ring.detach``).
@@ -355,21 +362,26 @@ class ShardLoader:
             return
         bulk = self._detach_events > _MAX_DETACH_EVENTS
         last = self._handouts
-        pins: dict[int, tuple[Any, list[Any]]] = {}
-        still: deque[tuple[int, Any, Any]] = deque()
+        pins: dict[int, tuple[Any, list[Any], list[Any]]] = {}
+        still: deque[tuple[int, Any, Any, list[Any]]] = deque()
         for entry in self._leased:
-            n, ring, msg = entry
+            n, ring, msg, fields = entry
             if msg.detached or not msg.in_use or ring.closed:
                 continue  # released (or queued for it), moved out, or its pool is gone
             if bulk or n < last:
-                pins.setdefault(id(ring), (ring, []))[1].append(msg)
+                # Only the fields still held keep their bytes (a loop that keeps the labels
+                # of every batch keeps just those); None: whatever holds the batch, all of it.
+                live = [(off, size) for ref, off, size in fields if ref() is not None]
+                _ring, msgs, spans = pins.setdefault(id(ring), (ring, [], []))
+                msgs.append(msg)
+                spans.append(live or None)
             else:
                 still.append(entry)
         self._leased = still
-        for ring, msgs in pins.values():
+        for ring, msgs, spans in pins.values():
             before = len(ring.held_messages())
             try:
-                ring.detach(msgs)
+                ring.detach(msgs, spans)
             except (OSError, UsageError) as exc:
                 # Kept batches then stop their rings as before detach existed: slower (their
                 # workers' batches take the pipe), never wrong.

@@ -702,7 +702,8 @@ class Ring:
         """Consumer side: stream position just past the last message received."""
         return self._rpos
 
-    def detach(self, msgs: list[Message]) -> int:
+    def detach(self, msgs: list[Message],
+               ranges: list[list[tuple[int, int]] | None] | None = None) -> int:
         """Take held messages out of the ring, leaving everything that views them intact.
 
         For a consumer that must keep some messages indefinitely (a training loop that keeps
@@ -719,6 +720,12 @@ class Ring:
         final), since later ones are read through the fresh mapping.  It costs a copy of each
         message (whole pages).  Writes to such a message by other threads of this process while
         this runs may be lost.
+
+        Args:
+            msgs: held messages.
+            ranges: per message, the ``(offset, nbytes)`` spans of its payload that anything
+                still views (None: all of it).  Only their pages are copied; the rest of the
+                message is given back to the producer like the rest, so must not be read again.
 
         Returns:
             Bytes copied.
@@ -745,10 +752,14 @@ class Ring:
         copied = 0
         done: list[Message] = []
         try:
-            for msg in msgs:
-                if msg.nbytes:
-                    start = _HEADER_BYTES + msg.start % self.capacity + _RECORD_HEADER
-                    copied += _privatize(msg._mm, start, msg.nbytes)
+            for k, msg in enumerate(msgs):
+                base = _HEADER_BYTES + msg.start % self.capacity + _RECORD_HEADER
+                spans = ranges[k] if ranges is not None else None
+                for off, n in [(0, msg.nbytes)] if spans is None else spans:
+                    if not 0 <= off <= off + n <= msg.nbytes:
+                        raise UsageError(f"span ({off}, {n}) is not inside {msg!r}")
+                    if n:
+                        copied += _privatize(msg._mm, base + off, n)
                 done.append(msg)
         finally:  # a failure (OSError) leaves the messages after it held, as they were
             if fresh is not None:

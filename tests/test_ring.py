@@ -961,3 +961,28 @@ def test_detach_that_fails_half_way_keeps_the_ring_consistent(
         assert bytes(arr_a) == b"A" * 6000
     finally:
         ring.close()
+
+
+def test_detach_of_spans_keeps_only_their_pages() -> None:
+    """detach(msgs, ranges): only the pages holding the given spans become private (a loop that
+    keeps the labels of a batch keeps a page, not the batch); the rest of the message goes back
+    to the producer and is overwritten by its next laps."""
+    ring = Ring.create(64 << 10, unlink_now=True, keep_fd=True)
+    try:
+        ring.send(b"A" * 20000)
+        msg = ring.recv(timeout=1)
+        arr = ring.array(msg)
+        span = (8192 + 100, 50)
+        assert ring.detach([msg], [[span]]) <= 2 * 4096
+        for i in range(40):
+            ring.send(bytes([i + 1]) * 9000, timeout=1)
+            ring.release(ring.recv(timeout=1))
+        off, n = span
+        assert bytes(arr[off:off + n]) == b"A" * n
+        assert bytes(arr[:4096]) != b"A" * 4096  # not kept: reused by the producer
+        with pytest.raises(UsageError, match="not inside"):
+            ring.send(b"B" * 100, timeout=1)
+            other = ring.recv(timeout=1)
+            ring.detach([other], [[(50, 100)]])
+    finally:
+        ring.close()
