@@ -13,12 +13,19 @@ timed epochs:
 * ``kept_without_detach``: the same, with ``ShardLoader._unpin`` turned off in the child: how
   the loader behaved before ``Ring.detach``.  A ring frees space in stream order, so the kept
   batch stopped its ring once the worker came round to it, and every later batch of that worker
-  went through its pipe.
+  went through its pipe;
+* ``labels``: the loop keeps the label tensor of every batch of every epoch (the metrics
+  habit), and ``labels_dataloader`` the same with torch's ``DataLoader`` over the same
+  ``ShardDataset`` (the loader ``bench_read.py`` times as ``shardio``): what the kept labels
+  cost in memory, ``uss_growth_mb`` (the main process's USS from after the warm-up epoch to
+  after the last).  Before shardio kept only the fields a loop holds, each label kept its
+  whole batch.
 
 Contenders alternate over ``--repeat`` rounds; each run prints its median timed epoch, and the
 summary gives, from the median of the runs: ``kept_vs_none`` (~1: keeping a batch costs one
-copy of it, once) and ``kept_without_detach_vs_none`` (what it cost before), with the loader's
-``copied_out`` and ``detached`` counts.  Timed figures compare within one run only.
+copy of it, once), ``kept_without_detach_vs_none`` (what it cost before), and the two loaders'
+USS growth keeping labels, with the loader's ``copied_out`` and ``detached`` counts.  Timed
+figures compare within one run only.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import add_output_args, emit, run_in_workdir
 
-CONTENDERS = ("none", "kept", "kept_without_detach")
+CONTENDERS = ("none", "kept", "kept_without_detach", "labels", "labels_dataloader")
 DEFAULTS = {"files": 20000, "classes": 100, "repeat": 3, "epochs": 3}
 QUICK = {"files": 1500, "classes": 10, "repeat": 1, "epochs": 2}
 
@@ -53,19 +60,37 @@ def _warm_up(loader: Any, keep: bool) -> Any:
     return last
 
 
+def _uss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_full_info().uss)
+
+
 def child(spec: dict[str, Any]) -> int:
     """One run: a warm-up epoch, then ``epochs`` timed ones; print one JSON line."""
+    import gc
+
     import torch  # noqa: F401  (imports outside every timed region)
 
     from benchmarks.bench_read import _loader
     from shardio import ShardLoader
 
-    if spec["contender"] == "kept_without_detach":
+    who = spec["contender"]
+    if who == "kept_without_detach":
         ShardLoader._unpin = lambda self: None  # type: ignore[method-assign]
-    loader, set_epoch = _loader({"kind": "shardio_loader", "mode": "raw", "persistent": True,
+    kind = "shardio" if who == "labels_dataloader" else "shardio_loader"
+    loader, set_epoch = _loader({"kind": kind, "mode": "raw", "persistent": True,
                                  "shards": spec["shards"]})
+    labels: list[Any] = []  # the "labels" loops keep each batch's label tensor, every epoch
     set_epoch(0)
-    kept = _warm_up(loader, keep=spec["contender"] != "none")
+    if who.startswith("labels"):
+        for _x, label, _nbytes in loader:
+            labels.append(label)
+        kept = None
+    else:
+        kept = _warm_up(loader, keep=who != "none")
+    gc.collect()
+    uss0 = _uss()
     epochs = []
     samples = 0
     for epoch in range(1, spec["epochs"] + 1):
@@ -74,13 +99,19 @@ def child(spec: dict[str, Any]) -> int:
         samples = 0
         for _x, label, _nbytes in loader:
             samples += len(label)
+            if labels:
+                labels.append(label)
         epochs.append(time.perf_counter() - t0)
-    stats = loader.stats()
-    loader.close()
-    del kept
-    print(json.dumps({"contender": spec["contender"], "epoch_seconds": epochs,
-                      "samples": samples, "copied_out": stats["copied_out"],
-                      "detached": stats["detached"]}))
+    del _x, label, _nbytes
+    gc.collect()
+    grown = _uss() - uss0
+    stats = loader.stats() if isinstance(loader, ShardLoader) else {}
+    if isinstance(loader, ShardLoader):
+        loader.close()
+    del kept, labels
+    print(json.dumps({"contender": who, "epoch_seconds": epochs, "samples": samples,
+                      "uss_growth_bytes": grown, "copied_out": stats.get("copied_out", 0),
+                      "detached": stats.get("detached", 0)}))
     return 0
 
 
@@ -124,7 +155,8 @@ def _bench(work: str, files: int, classes: int, repeat: int, epochs: int,
     data = prepare(work, files, classes, "64MB")
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in CONTENDERS}
     for rnd in range(repeat):
-        order = CONTENDERS[rnd % 3:] + CONTENDERS[:rnd % 3]
+        k = rnd % len(CONTENDERS)
+        order = CONTENDERS[k:] + CONTENDERS[:k]
         for c in order:
             got = _run_child({"contender": c, "shards": data["shards"], "epochs": epochs})
             if got["samples"] != files:
@@ -142,6 +174,8 @@ def _bench(work: str, files: int, classes: int, repeat: int, epochs: int,
                       "all_median_epoch_seconds": [round(r["median_epoch_seconds"], 4)
                                                    for r in runs[c]],
                       "samples_per_s": round(files / med, 1),
+                      "uss_growth_mb": round(statistics.median(
+                          r["uss_growth_bytes"] for r in runs[c]) / 1e6, 1),
                       "copied_out": max(r["copied_out"] for r in runs[c]),
                       "detached": max(r["detached"] for r in runs[c])})
     by = {ln["contender"]: ln for ln in lines}
@@ -151,14 +185,18 @@ def _bench(work: str, files: int, classes: int, repeat: int, epochs: int,
                "kept_vs_none": round(by["kept"]["median_epoch_seconds"] / none, 3),
                "kept_without_detach_vs_none": round(
                    by["kept_without_detach"]["median_epoch_seconds"] / none, 3),
+               "labels_uss_growth_mb": by["labels"]["uss_growth_mb"],
+               "labels_dataloader_uss_growth_mb": by["labels_dataloader"]["uss_growth_mb"],
                "notes": "epoch seconds, median of runs of each run's median timed epoch; "
                         "ratios > 1 are slower than keeping nothing"}
     for ln in lines:
         print(f"{ln['contender']:22s} {ln['median_epoch_seconds']:.3f} s/epoch "
-              f"({ln['samples_per_s']:,.0f} samples/s)  copied_out {ln['copied_out']}  "
-              f"detached {ln['detached']}", file=sys.stderr)
+              f"({ln['samples_per_s']:,.0f} samples/s)  main USS {ln['uss_growth_mb']:+.1f} MB  "
+              f"copied_out {ln['copied_out']}  detached {ln['detached']}", file=sys.stderr)
     print(f"kept/none {summary['kept_vs_none']}x; before Ring.detach "
-          f"{summary['kept_without_detach_vs_none']}x", file=sys.stderr)
+          f"{summary['kept_without_detach_vs_none']}x; keeping every batch's labels: main USS "
+          f"{summary['labels_uss_growth_mb']:+.1f} MB (DataLoader "
+          f"{summary['labels_dataloader_uss_growth_mb']:+.1f} MB)", file=sys.stderr)
     emit(lines, summary, json_out)
     return 0
 

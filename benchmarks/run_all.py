@@ -766,7 +766,7 @@ def stage_section(res: Results, plotter: Plotter) -> Section:
     return Section(lines, targets)
 
 
-KEPT_ORDER = ("none", "kept", "kept_without_detach")
+KEPT_ORDER = ("none", "kept", "kept_without_detach", "labels", "labels_dataloader")
 UNTARGETED = {"kept"}  # benchmarks no issue sets a target for (the overview says so)
 
 
@@ -776,16 +776,21 @@ def kept_section(res: Results, plotter: Plotter) -> Section:
     s = res.summary
     lines = _setup(s, (("files", "files"), ("repeat", "runs"), ("epochs", "timed epochs per run"),
                        ("cpus", "CPUs")))
-    lines += ["", "Raw `ShardLoader` epochs (batch 256, 2 workers; `none`: the loop keeps no "
-              "batch; `kept`: it keeps one for good; `kept_without_detach`: the same without "
-              "`Ring.detach`, as before it existed), median of the runs' median epochs:", ""]
-    lines += md_table(("contender", "epoch s", "samples/s", "copied_out", "detached"),
+    lines += ["", "Raw epochs (batch 256, 2 workers; `none`: the loop keeps no batch; `kept`: it "
+              "keeps one for good; `kept_without_detach`: the same without `Ring.detach`, as "
+              "before it existed; `labels`: it keeps every batch's label tensor; "
+              "`labels_dataloader`: the same under torch's DataLoader), median of the runs' "
+              "median epochs, and the main process's USS growth after the warm-up epoch:", ""]
+    lines += md_table(("contender", "epoch s", "samples/s", "USS growth MB", "copied_out",
+                       "detached"),
                       [(n, *(fmt(rows.get(n, {}).get(k)) for k in (
-                          "median_epoch_seconds", "samples_per_s", "copied_out", "detached")))
+                          "median_epoch_seconds", "samples_per_s", "uss_growth_mb", "copied_out",
+                          "detached")))
                        for n in names])
     lines += [""]
-    lines += _figures("Ratios (epoch seconds over `none`'s)", {
-        k: s[k] for k in ("kept_vs_none", "kept_without_detach_vs_none") if s and k in s})
+    lines += _figures("Ratios (epoch seconds over `none`'s) and memory", {
+        k: s[k] for k in ("kept_vs_none", "kept_without_detach_vs_none", "labels_uss_growth_mb",
+                          "labels_dataloader_uss_growth_mb") if s and k in s})
     return Section(lines, {})
 
 

@@ -100,11 +100,14 @@ def stage_lines() -> list[dict[str, Any]]:
 def kept_lines() -> list[dict[str, Any]]:
     rows = [{"bench": "kept", "kind": "contender", "contender": c, "files": 1500, "epochs": 2,
              "runs": 1, "median_epoch_seconds": sec, "samples_per_s": 1500 / sec,
-             "copied_out": co, "detached": de}
-            for c, sec, co, de in (("none", 0.0109, 0, 0), ("kept", 0.0113, 0, 1),
-                                   ("kept_without_detach", 0.44, 4, 0))]
+             "uss_growth_mb": mb, "copied_out": co, "detached": de}
+            for c, sec, mb, co, de in (("none", 0.0109, 0.1, 0, 0), ("kept", 0.0113, 4.7, 0, 1),
+                                       ("kept_without_detach", 0.44, 0.3, 4, 0),
+                                       ("labels", 0.0132, 0.2, 0, 16),
+                                       ("labels_dataloader", 0.027, 0.2, 0, 0))]
     return [*rows, {"bench": "kept", "kind": "summary", "files": 1500, "epochs": 2, "repeat": 1,
-                    "cpus": 2, "kept_vs_none": 1.037, "kept_without_detach_vs_none": 40.367}]
+                    "cpus": 2, "kept_vs_none": 1.037, "kept_without_detach_vs_none": 40.367,
+                    "labels_uss_growth_mb": 0.2, "labels_dataloader_uss_growth_mb": 0.2}]
 
 
 MACHINE = {"date": "2030-01-01T00:00:00+00:00", "cpu_count": 2, "cpus_usable": 2,
@@ -155,7 +158,8 @@ def test_report_tables_targets_commands_and_plots(results: Path) -> None:
     assert "| staged_ge_0.9x_local_from_epoch_2 | MISS |" in stage
     assert "| at_most_one_pass_per_epoch | PASS |" in stage
     kept = section(report, "kept")
-    assert "| kept_without_detach | 0.44 | 3,409 | 4 | 0 |" in kept
+    assert "| kept_without_detach | 0.44 | 3,409 | 0.3 | 4 | 0 |" in kept
+    assert "| labels_dataloader_uss_growth_mb | 0.2 |" in kept
     assert "| kept_without_detach_vs_none | 40.367 |" in kept
     overview = section(report, "Overview")
     assert "| [pack](#pack) | ok (exit 0, 4 s) | 2030-01-01T00:00:00+00:00 | 1/2 PASS |" in overview
