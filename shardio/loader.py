@@ -304,8 +304,9 @@ class ShardLoader:
     def _materialize(self, ring: Any, msg: Any) -> Any:
         spilled = ring is None  # came through the worker's spill pipe: already a private copy
         views = self.dataset.options.zero_copy  # bytes columns as arrays viewing the message
-        self._unpin()  # before this hand-out is counted: it spares the previous one
         self._handouts += 1
+        if spilled:
+            self._stats.spilled += 1
         if spilled and self.ring_bytes and len(msg.view) > self.ring_bytes - 4096:
             if not self._warned_big:
                 self._warned_big = True
@@ -413,7 +414,8 @@ class ShardLoader:
         self._iterating = token = object()  # a superseded iteration must not clear a newer one's
         try:
             while True:
-                self._drain_releases()
+                # Before waiting: a kept batch may be what stops the ring the next one needs.
+                self._unpin()  # (it drains the released ones first)
                 if self._preempt_pending and self._preempt_stop():
                     return
                 started = self._stats.begin_wait()

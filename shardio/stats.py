@@ -38,6 +38,7 @@ class LoaderStats:
     compute_s: float = 0.0
     stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     copied_out: int = 0
+    spilled: int = 0
     detached: int = 0
     restarts: int = 0
     _recent: deque[tuple[float, float]] = field(default_factory=deque, repr=False)
@@ -110,6 +111,7 @@ class LoaderStats:
             "stage_s": dict(self.stage_s),
             "stage_per_batch_s": {k: v / n for k, v in self.stage_s.items()},
             "copied_out": self.copied_out,
+            "spilled": self.spilled,
             "detached": self.detached,
             "restarts": self.restarts,
         }

@@ -477,6 +477,7 @@ def test_one_batch_kept_forever_pins_nothing(images: tuple[Path, dict[str, np.nd
             check_image_batch(first[0], first[1], pixels, labels)
     assert copy_warnings(caught) == 0
     assert loader.stats()["copied_out"] == 0 and loader.stats()["detached"] == 1
+    assert loader.stats()["spilled"] == 0
     assert "/dev/shm/shardio-" not in (shm_mapping_of(first[0]["png"].data_ptr()) or "")
 
 
@@ -495,8 +496,10 @@ def test_a_loop_keeping_only_the_labels_keeps_only_the_labels(
     by far less than the 15 MB of payload an epoch (whole batches kept: 40 MB or more in 4 epochs,
     measured; 0.6 MB now); and
     every kept label stays right."""
+    # Rings of less than 2 batches (1 MiB each): the worker has room for its next batch only
+    # once the batch before the one the loop holds has left the ring.
     loader = make_loader(ShardDataset(text, seed=7, transform=payload_and_label), 4,
-                         ring_bytes="3MiB", **FAST)
+                         ring_bytes="1800KiB", **FAST)
     kept: list[tuple[torch.Tensor, list[int]]] = []
     me = psutil.Process()
     before = None
@@ -515,6 +518,10 @@ def test_a_loop_keeping_only_the_labels_keeps_only_the_labels(
     grown = me.memory_full_info().uss - before
     stats = loader.stats()
     assert stats["detached"] > 0 and stats["copied_out"] > 0
+    # The batch before the one the loop holds moves out before the loop waits for the next:
+    # otherwise its worker, short of room for that next one, waits until main gives up and
+    # takes it through the pipe (a poll_interval each time).
+    assert stats["spilled"] == 0
     assert grown < 8 << 20, f"USS grew by {grown >> 20} MiB keeping only the labels"
     for labels, expected in kept:
         assert labels.tolist() == expected
@@ -1292,8 +1299,8 @@ def test_workers_run_one_torch_thread_and_freeze_inherited_objects(
 
 # --- 7. data-wait accounting -----------------------------------------------------------------
 STAT_KEYS = {"steps", "wait_s", "compute_s", "wait_fraction", "wait_per_step_s",
-             "compute_per_step_s", "stage_s", "stage_per_batch_s", "copied_out", "detached",
-             "restarts"}
+             "compute_per_step_s", "stage_s", "stage_per_batch_s", "copied_out", "spilled",
+             "detached", "restarts"}
 STAGES = {"read", "decode", "transform", "collate", "write", "total"}
 
 
