@@ -51,8 +51,10 @@ class _Lease(np.ndarray):
 
 
 _ONE_THREAD = [0]  # pid of the process whose torch was set to one intra-op thread
-# Detach events per epoch before batches are copied out of the ring instead (see _unpin).
+# Detach events per epoch, and replaced ring mappings still in use per ring, before batches
+# are copied out of the ring instead (see _unpin).
 _MAX_DETACH_EVENTS = 8
+_MAX_RETIRED_MAPPINGS = 32
 
 
 class _Job:
@@ -318,7 +320,7 @@ class ShardLoader:
             return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views)
         # Batches of this ring the loop still holds (not those received ahead of their turn,
         # nor this one: it has only just arrived).
-        if spilled or self._detach_events > _MAX_DETACH_EVENTS or (
+        if spilled or self._copy_all(ring) or (
                 sum(m.nbytes for m in ring.held_messages() if m.in_use)
                 > ring.capacity * self.options.max_held_fraction):
             if not self._warned_copy:
@@ -345,6 +347,12 @@ class ShardLoader:
         self._leased.append((self._handouts, ring, msg, fields))
         return tree
 
+    def _copy_all(self, ring: Any) -> bool:
+        """Whether batches of ``ring`` are copied out on arrival rather than handed out from it
+        (see :meth:`_unpin`)."""
+        return (self._detach_events > _MAX_DETACH_EVENTS
+                or ring.retired_mappings() >= _MAX_RETIRED_MAPPINGS)
+
     def _unpin(self) -> None:
         """Move batches the loop keeps out of their rings before they stop them (``Ring.detach``).
 
@@ -355,13 +363,13 @@ class ShardLoader:
         one and still held is kept on purpose, and gets its pages replaced by private copies at
         the same addresses instead (one copy; the user's tensors do not notice) and its ring
         space back.  A loop that keeps batch after batch would need that at every step (and a
-        new mapping of the ring each time): after ``_MAX_DETACH_EVENTS`` in an epoch every later
-        batch of the epoch is copied out of the ring on arrival instead (see ``_materialize``),
-        and the kept ones still in a ring move out together."""
+        new mapping of the ring each time, alive while anything kept views it): after
+        ``_MAX_DETACH_EVENTS`` in an epoch, or with ``_MAX_RETIRED_MAPPINGS`` of a ring's old
+        mappings still in use, batches are copied out of that ring on arrival instead (see
+        ``_materialize``), and the kept ones still in it move out together."""
         self._drain_releases()
         if not self._leased or self._detach_failed:
             return
-        bulk = self._detach_events > _MAX_DETACH_EVENTS
         last = self._handouts
         pins: dict[int, tuple[Any, list[Any], list[Any]]] = {}
         still: deque[tuple[int, Any, Any, list[Any]]] = deque()
@@ -369,7 +377,7 @@ class ShardLoader:
             n, ring, msg, fields = entry
             if msg.detached or not msg.in_use or ring.closed:
                 continue  # released (or queued for it), moved out, or its pool is gone
-            if bulk or n < last:
+            if n < last or self._copy_all(ring):
                 # Only the fields still held keep their bytes (a loop that keeps the labels
                 # of every batch keeps just those); None: whatever holds the batch, all of it.
                 live = [(off, size) for ref, off, size in fields if ref() is not None]

@@ -237,6 +237,7 @@ class Ring:
         self._order: deque[list[Any]] = deque()  # [end, released] per record, in stream order
         self._held: dict[int, tuple[Message, list[Any]]] = {}
         self._held_bytes = 0
+        self._retired: list[weakref.ref[mmap.mmap]] = []  # mappings detach() replaced
         self._sync_cursors()
 
     def _sync_cursors(self) -> None:
@@ -697,6 +698,12 @@ class Ring:
         """The messages received and not yet released, oldest first."""
         return [item[0] for item in self._held.values()]
 
+    def retired_mappings(self) -> int:
+        """Mappings of the ring that :meth:`detach` replaced and that something still views
+        (each a few kernel mappings: ``vm.max_map_count`` bounds them per process)."""
+        self._retired = [ref for ref in self._retired if ref() is not None]
+        return len(self._retired)
+
     @property
     def read_position(self) -> int:
         """Consumer side: stream position just past the last message received."""
@@ -765,6 +772,7 @@ class Ring:
             if fresh is not None:
                 # Every later access goes through the fresh mapping: the current one may have
                 # private pages now.
+                self._retired.append(weakref.ref(mm))
                 self._mm = fresh
                 self._rw = memoryview(fresh)
                 self._ro = self._rw.toreadonly()

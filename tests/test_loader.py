@@ -527,6 +527,33 @@ def test_a_loop_keeping_only_the_labels_keeps_only_the_labels(
         assert labels.tolist() == expected
 
 
+def test_kept_fields_of_many_batches_bound_the_ring_mappings(
+        text: Path, make_loader: Callable[..., ShardLoader],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each move of a batch out of a ring's current mapping maps the ring afresh, and the old
+    mapping lives while a kept field views it: a loop that keeps the labels of every batch for
+    the whole run would pile up mappings (vm.max_map_count).  With _MAX_RETIRED_MAPPINGS of a
+    ring's old mappings in use, its batches are copied out on arrival instead: at most one
+    more old mapping, and every kept label stays right."""
+    import shardio.loader
+
+    monkeypatch.setattr(shardio.loader, "_MAX_RETIRED_MAPPINGS", 2)
+    loader = make_loader(ShardDataset(text, seed=5, transform=payload_and_label), 4,
+                         ring_bytes="1800KiB", **FAST)
+    kept: list[tuple[torch.Tensor, list[int]]] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the copy-out notice
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                kept.append((batch["label"], batch["label"].tolist()))
+    rings = [w.ring for w in loader._pool._workers]
+    assert 0 < max(r.retired_mappings() for r in rings) <= 3
+    assert loader.stats()["copied_out"] > 0 and loader.stats()["spilled"] == 0
+    for labels, expected in kept:
+        assert labels.tolist() == expected
+
+
 def test_a_kept_batch_that_cannot_be_moved_only_slows_its_ring(
         images: tuple[Path, dict[str, np.ndarray], dict[str, int]],
         make_loader: Callable[..., ShardLoader], monkeypatch: pytest.MonkeyPatch,

@@ -986,3 +986,23 @@ def test_detach_of_spans_keeps_only_their_pages() -> None:
             ring.detach([other], [[(50, 100)]])
     finally:
         ring.close()
+
+
+def test_retired_mappings_count_the_old_mappings_still_viewed() -> None:
+    """A detach of a message received through the current mapping maps the ring afresh; the old
+    mapping counts in retired_mappings() while anything views it, and not after."""
+    import gc
+
+    ring = Ring.create(64 << 10, unlink_now=True, keep_fd=True)
+    try:
+        ring.send(b"A" * 5000)
+        msg = ring.recv(timeout=1)
+        arr = ring.array(msg)
+        assert ring.retired_mappings() == 0
+        ring.detach([msg])
+        assert ring.retired_mappings() == 1
+        del arr, msg
+        gc.collect()
+        assert ring.retired_mappings() == 0
+    finally:
+        ring.close()
