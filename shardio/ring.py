@@ -724,9 +724,9 @@ class Ring:
         this process maps the ring afresh (through the descriptor kept by ``keep_fd``) for every
         later message; the old mapping lives while anything views it.  The private pages may
         hold parts of neighbouring records: only of ones already received (their bytes are
-        final), since later ones are read through the fresh mapping.  It costs a copy of each
-        message (whole pages).  Writes to such a message by other threads of this process while
-        this runs may be lost.
+        final), since later ones are read through the fresh mapping.  It costs a copy of the
+        pages holding each message (or its ``ranges``).  Writes to such a message by other
+        threads of this process while this runs may be lost.
 
         Args:
             msgs: held messages.
