@@ -52,3 +52,56 @@ def test_number_columns_take_their_type_from_every_item() -> None:
     assert out["floats"].dtype == torch.float64 and out["floats"].tolist() == [0.5, 1.5]
     assert out["huge"] == [1, 2**70]  # beyond int64: kept as Python ints
     assert out["other"] == [1, "x"]
+
+
+def _written(plan):  # type: ignore[no-untyped-def]
+    raw = np.zeros(plan.nbytes, dtype=np.uint8)
+    plan.write(memoryview(raw), 1, [])
+    return raw
+
+
+def test_read_tree_reports_fields_and_copies_them_on_request() -> None:
+    """on_field names each array and bytes column with the message span it views, and a user's
+    view of a numpy field keeps the reported array alive (numpy stops collapsing the view chain
+    at it, its base being a view of another type): what ShardLoader's weak references rely on.
+    copy=True gives every field memory of its own, so keeping one keeps nothing of the rest."""
+    import gc
+    import weakref
+
+    class Lease(np.ndarray):
+        pass
+
+    raw = _written(plan_tree({"img": torch.arange(12, dtype=torch.uint8).reshape(3, 4),
+                              "arr": np.arange(5.0)}))
+    cols = _written(plan_collate([{"b": b"abc"}, {"b": b""}, {"b": b"de"}]))
+    for buf in (raw, cols):
+        seen: list[tuple[weakref.ref[np.ndarray], int, int]] = []
+        out = read_tree(buf.view(Lease), torch.from_numpy, True,
+                        on_field=lambda a, off, n: seen.append((weakref.ref(a), off, n)))
+        for ref, off, n in seen:
+            a = ref()
+            assert a is not None and np.shares_memory(a, buf)
+            assert a.view(np.uint8).reshape(-1).tobytes() == buf[off:off + n].tobytes()
+            del a
+        if buf is raw:
+            assert sorted(n for _ref, _off, n in seen) == [12, 40]
+            field_ref = next(ref for ref, _off, n in seen if n == 40)
+            assert type(out["arr"]) is np.ndarray and out["arr"] is field_ref()
+            view = out["arr"][1:3]  # a user's view of the field: its base is the reported one
+        else:
+            assert [n for _ref, _off, n in seen if n == 5]  # the column's 5 bytes (+ bounds)
+            field_ref = next(ref for ref, _off, n in seen if n == 5)
+            view = out["b"][0]
+        del out
+        gc.collect()
+        assert field_ref() is not None
+        assert view.tolist() == ([1.0, 2.0] if buf is raw else list(b"abc"))
+        del view
+        gc.collect()
+        assert field_ref() is None
+    copied = read_tree(raw.view(Lease), torch.from_numpy, True, copy=True)
+    assert not np.shares_memory(copied["arr"], raw)
+    assert not np.shares_memory(copied["img"].numpy(), raw)
+    assert copied["arr"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    col = read_tree(cols.view(Lease), torch.from_numpy, True, copy=True)["b"]
+    assert not np.shares_memory(col[0], cols) and [bytes(x) for x in col] == [b"abc", b"", b"de"]
