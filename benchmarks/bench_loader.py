@@ -79,11 +79,9 @@ import json
 import os
 import platform
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -94,7 +92,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import add_output_args, emit  # noqa: E402
+from benchmarks._common import add_output_args, emit, run_in_workdir  # noqa: E402
 
 from benchmarks.bench_read import (
     BATCH,
@@ -697,17 +695,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_loader: --files, --classes, --repeat, --side must be >= 1, "
               "--sample-interval > 0", file=sys.stderr)
         return 2
-    if a.workdir:
-        os.makedirs(a.workdir, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="shardio-bench-loader-", dir=a.workdir)
-    try:
-        return _bench(work, n_files, n_classes, repeat, side, shard_size, a.sample_interval,
-                      a.ring_bytes, a.json_out, decode_repeat)
-    finally:
-        if a.keep:
-            print(f"kept {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    return run_in_workdir("shardio-bench-loader-", a.workdir, a.keep,
+                          lambda work: _bench(work, n_files, n_classes, repeat, side, shard_size,
+                                              a.sample_interval, a.ring_bytes, a.json_out,
+                                              decode_repeat))
 
 
 def _bench(work: str, n_files: int, n_classes: int, repeat: int, side: int, shard_size: str,

@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import PEERS, peers_python, probe_peers, usable  # noqa: E402
-from benchmarks._common import add_output_args, emit  # noqa: E402
+from benchmarks._common import add_output_args, emit, run_in_workdir  # noqa: E402
 from benchmarks._common import dist_version as _dist_version  # noqa: E402
 
 SHARD_SIZE = "64MB"
@@ -427,16 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if n_files < 1 or n_classes < 1 or repeat < 1:
         print("bench_pack: --files, --classes and --repeat must be >= 1", file=sys.stderr)
         return 2
-    if a.workdir:
-        os.makedirs(a.workdir, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="shardio-bench-pack-", dir=a.workdir)
-    try:
-        return _bench(work, n_files, n_classes, repeat, a.json_out)
-    finally:
-        if a.keep:
-            print(f"kept {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    return run_in_workdir("shardio-bench-pack-", a.workdir, a.keep,
+                          lambda work: _bench(work, n_files, n_classes, repeat, a.json_out))
 
 
 def _bench(work: str, n_files: int, n_classes: int, repeat: int, json_out: str | None) -> int:

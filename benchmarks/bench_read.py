@@ -76,11 +76,9 @@ import json
 import os
 import platform
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -93,7 +91,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import PEERS, peers_python, probe_peers, usable  # noqa: E402
-from benchmarks._common import add_output_args, emit  # noqa: E402
+from benchmarks._common import add_output_args, emit, run_in_workdir  # noqa: E402
 from benchmarks._common import dist_version as _dist_version  # noqa: E402
 
 BATCH = 256
@@ -845,17 +843,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_read: --files, --classes, --repeat must be >= 1, --growth-epochs >= 0, "
               "--sample-interval > 0", file=sys.stderr)
         return 2
-    if a.workdir:
-        os.makedirs(a.workdir, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="shardio-bench-read-", dir=a.workdir)
-    try:
-        return _bench(work, n_files, n_classes, repeat, growth_epochs, shard_size,
-                      a.sample_interval, a.json_out)
-    finally:
-        if a.keep:
-            print(f"kept {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    return run_in_workdir("shardio-bench-read-", a.workdir, a.keep,
+                          lambda work: _bench(work, n_files, n_classes, repeat, growth_epochs,
+                                              shard_size, a.sample_interval, a.json_out))
 
 
 def _bench(work: str, n_files: int, n_classes: int, repeat: int, growth_epochs: int,
