@@ -570,6 +570,9 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
                     if cmd is not None:  # a newer command: this batch is not wanted any more
                         break
                 sent = out.deliver(plan, step, times, generation)
+                # Written: let the batch go now, not when the next one is made, so a worker's
+                # heap holds one batch, not two (and its first two batches reuse one set of pages).
+                plan = None
                 if sent == Sent.CLOSED:
                     return
                 if sent == Sent.ABANDONED:
