@@ -10,10 +10,12 @@ timed epochs:
 * ``none``: the loop keeps no batch (``for x, label, nbytes in loader: pass``);
 * ``kept``: the loop keeps the last batch of the warm-up epoch for good (a module-level name
   left bound, a batch saved for plotting);
-* ``kept_without_detach``: the same, with ``ShardLoader._unpin`` turned off in the child: how
-  the loader behaved before ``Ring.detach``.  A ring frees space in stream order, so the kept
-  batch stopped its ring once the worker came round to it, and every later batch of that worker
-  went through its pipe;
+* ``kept_without_detach``: the same, with ``ShardLoader._make_room`` reduced in the child to
+  giving back what the loop let go of: how the loader behaved before ``Ring.detach``.  A ring
+  frees space in stream order, so the kept batch stopped its ring once the worker came round to
+  it, and every later batch of that worker went through its pipe;
+* ``previous``: the loop holds each batch one step longer (``p, prev = prev, batch``: a loss
+  logged a step late, a double-buffered copy), so it holds two while it asks for the next;
 * ``labels``: the loop keeps the label tensor of every batch of every epoch (the metrics
   habit), and ``labels_dataloader`` the same with torch's ``DataLoader`` over the same
   ``ShardDataset`` (the loader ``bench_read.py`` times as ``shardio``): what the kept labels
@@ -23,7 +25,8 @@ timed epochs:
 
 Contenders alternate over ``--repeat`` rounds; each run prints its median timed epoch, and the
 summary gives, from the median of the runs: ``kept_vs_none`` (~1: keeping a batch costs one
-copy of it, once), ``kept_without_detach_vs_none`` (what it cost before), and the two loaders'
+copy of it, once), ``kept_without_detach_vs_none`` (what it cost before), ``previous_vs_none``
+(~1: nothing moves while the rings have room), and the two loaders'
 USS growth keeping labels, with the loader's ``copied_out`` and ``detached`` counts.  Timed
 figures compare within one run only.
 """
@@ -47,7 +50,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import add_output_args, emit, run_in_workdir
 
-CONTENDERS = ("none", "kept", "kept_without_detach", "labels", "labels_dataloader")
+CONTENDERS = ("none", "kept", "kept_without_detach", "previous", "labels", "labels_dataloader")
 DEFAULTS = {"files": 20000, "classes": 100, "repeat": 3, "epochs": 3}
 QUICK = {"files": 1500, "classes": 10, "repeat": 1, "epochs": 2}
 
@@ -76,8 +79,9 @@ def child(spec: dict[str, Any]) -> int:
     from shardio import ShardLoader
 
     who = spec["contender"]
-    if who == "kept_without_detach":
-        ShardLoader._unpin = lambda self: None  # type: ignore[method-assign]
+    if who == "kept_without_detach":  # releases only: no Ring.detach
+        ShardLoader._make_room = (  # type: ignore[method-assign]
+            lambda self, ring: self._drain_releases(ring))
     kind = "shardio" if who == "labels_dataloader" else "shardio_loader"
     loader, set_epoch = _loader({"kind": kind, "mode": "raw", "persistent": True,
                                  "shards": spec["shards"]})
@@ -88,7 +92,7 @@ def child(spec: dict[str, Any]) -> int:
             labels.append(label)
         kept = None
     else:
-        kept = _warm_up(loader, keep=who != "none")
+        kept = _warm_up(loader, keep=who.startswith("kept"))
     gc.collect()
     uss0 = _uss()
     epochs = []
@@ -97,12 +101,17 @@ def child(spec: dict[str, Any]) -> int:
         set_epoch(epoch)
         t0 = time.perf_counter()
         samples = 0
-        for _x, label, _nbytes in loader:
+        prev = p = None
+        for batch in loader:
+            _x, label, _nbytes = batch
             samples += len(label)
             if labels:
                 labels.append(label)
+            if who == "previous":
+                p, prev = prev, batch
+        del p, prev
         epochs.append(time.perf_counter() - t0)
-    del _x, label, _nbytes
+    del _x, label, _nbytes, batch
     gc.collect()
     grown = _uss() - uss0
     stats = loader.stats() if isinstance(loader, ShardLoader) else {}
@@ -185,6 +194,7 @@ def _bench(work: str, files: int, classes: int, repeat: int, epochs: int,
                "kept_vs_none": round(by["kept"]["median_epoch_seconds"] / none, 3),
                "kept_without_detach_vs_none": round(
                    by["kept_without_detach"]["median_epoch_seconds"] / none, 3),
+               "previous_vs_none": round(by["previous"]["median_epoch_seconds"] / none, 3),
                "labels_uss_growth_mb": by["labels"]["uss_growth_mb"],
                "labels_dataloader_uss_growth_mb": by["labels_dataloader"]["uss_growth_mb"],
                "notes": "epoch seconds, median of runs of each run's median timed epoch; "
@@ -194,7 +204,8 @@ def _bench(work: str, files: int, classes: int, repeat: int, epochs: int,
               f"({ln['samples_per_s']:,.0f} samples/s)  main USS {ln['uss_growth_mb']:+.1f} MB  "
               f"copied_out {ln['copied_out']}  detached {ln['detached']}", file=sys.stderr)
     print(f"kept/none {summary['kept_vs_none']}x; before Ring.detach "
-          f"{summary['kept_without_detach_vs_none']}x; keeping every batch's labels: main USS "
+          f"{summary['kept_without_detach_vs_none']}x; previous/none "
+          f"{summary['previous_vs_none']}x; keeping every batch's labels: main USS "
           f"{summary['labels_uss_growth_mb']:+.1f} MB (DataLoader "
           f"{summary['labels_dataloader_uss_growth_mb']:+.1f} MB)", file=sys.stderr)
     emit(lines, summary, json_out)

@@ -317,16 +317,16 @@ class LoaderOptions:
         ring_bytes: shared memory per worker (``"128MiB"`` accepted); ``"auto"`` (default):
             room for ``prefetch_factor + 1`` batches the size of the epoch's first batch
             (as the worker that made it reports; see "Ring sizing" in :mod:`shardio.pool`),
-            8-256 MiB.
+            plus one for larger batches and the ring's wrap, 8-256 MiB.
             A batch larger than the ring travels through a pipe (one copy, one warning)
             instead of failing.
         prefetch_factor: batches each worker prepares ahead of the training loop, as
             DataLoader's argument of that name (default 2).  A worker writes batches into its
             ring until it is full, so this sets the ring's size with ``ring_bytes="auto"``:
             the batch the loop holds plus these.  An explicit ``ring_bytes`` sets the depth
-            itself (``ring_bytes`` / batch bytes, minus the one held).  Each batch more is a
-            batch of resident shared memory per worker once the ring has wrapped (a fourth
-            raised the raw-mode tree's peak PSS by ~10 MB, 3%, with no gain in samples/s).
+            itself (``ring_bytes`` / batch bytes, minus the one held and one of slack).  Each
+            batch more is a batch of resident shared memory per worker once the ring has
+            wrapped (~5 MB per worker on the raw-mode benchmark set).
         shm_dir: directory for the rings (default ``/dev/shm``); any file-backed directory works
             where ``/dev/shm`` is small.
         cpus: CPUs to pin workers to, one each, round-robin (e.g. the cores of one NUMA node);

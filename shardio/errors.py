@@ -44,6 +44,7 @@ involved and say what to change.
     ├── RingError                                a shared-memory ring (shardio.ring) failed
     │   ├── RingClosedError (EOFError)           the peer closed the ring (and it is drained)
     │   ├── RingTimeoutError (TimeoutError)      send/recv did not complete within its timeout
+    │   │   └── RingFullError                    recv(until_full=True): the producer waits for room
     │   ├── RingNotFoundError (FileNotFoundError) the ring's file is gone (unlinked or swept)
     │   ├── RingCorruptError                     bad header or record in the ring's memory
     │   ├── MessageTooLargeError (ValueError)    a message does not fit in the ring's capacity
@@ -79,6 +80,7 @@ __all__ = [
     "RingClosedError",
     "RingCorruptError",
     "RingError",
+    "RingFullError",
     "RingNotFoundError",
     "RingTimeoutError",
     "SampleTooLargeError",
@@ -283,6 +285,11 @@ class RingClosedError(RingError, EOFError):
 
 class RingTimeoutError(RingError, TimeoutError):
     """A ring send or receive did not complete within its timeout."""
+
+
+class RingFullError(RingTimeoutError):
+    """``Ring.recv(until_full=True)`` stopped waiting: nothing to receive, and the producer waits
+    for room that only the consumer can give back (release or detach what it holds)."""
 
 
 class RingNotFoundError(RingError, FileNotFoundError):

@@ -52,7 +52,7 @@ class _Lease(np.ndarray):
 
 _ONE_THREAD = [0]  # pid of the process whose torch was set to one intra-op thread
 # Detach events per epoch, and replaced ring mappings still in use per ring, before batches
-# are copied out of the ring instead (see _unpin).
+# are copied out of the ring instead (see _make_room).
 _MAX_DETACH_EVENTS = 8
 _MAX_RETIRED_MAPPINGS = 32
 
@@ -190,11 +190,11 @@ class ShardLoader:
         self._released: deque[tuple[Any, Any]] = deque()
         self._delivered = 0
         self._warned_copy = False
-        self._detach_events = 0  # this epoch's (see _unpin)
+        self._detach_events = 0  # this epoch's (see _make_room)
         self._detach_failed = False
         # Batches handed out from a ring and not yet seen released, oldest first: (hand-out
         # number, ring, message, its fields as (weak reference, offset, nbytes)); every batch
-        # handed out is numbered (see _unpin).
+        # handed out is numbered (see _make_room).
         self._leased: deque[tuple[int, Any, Any, list[Any]]] = deque()
         self._handouts = 0
         self._finished = False
@@ -235,15 +235,24 @@ class ShardLoader:
                             max_restarts=o.max_restarts, start_timeout=o.start_timeout),
             )
             pool.start()  # closes itself if it fails: keep no half-started pool around
+            pool.make_room = self._make_room
             self._pool = pool
         return self._pool
 
     def _ring_size(self, nbytes: int) -> int:
         """``ring_bytes="auto"``: room for ``prefetch_factor + 1`` batches of ``nbytes``, the
         size of the epoch's first batch (built by the worker that produces it; see "Ring
-        sizing" in :mod:`shardio.pool`), in whole MiB between :data:`AUTO_RING_MIN` and
-        :data:`AUTO_RING_MAX`."""
-        want = (self.options.prefetch_factor + 1) * (nbytes + 4096)
+        sizing" in :mod:`shardio.pool`), plus one more, in whole MiB between
+        :data:`AUTO_RING_MIN` and :data:`AUTO_RING_MAX`.
+
+        The one more is slack, not depth: a message never wraps round the end of the ring
+        (up to a message's worth of the end stays unused when the next does not fit there),
+        and later batches are often larger than the first.  With room for exactly
+        ``prefetch_factor + 1`` first batches, only 2 of the 3 fitted most of the time (the
+        20,000-JPEG benchmark set, batches of 4.9-5.4 MB in 14 MiB rings): a worker then had
+        one batch ready, not two, while the loop held one, and a loop that keeps the
+        previous batch a step longer (``prev = batch``) filled its rings."""
+        want = (self.options.prefetch_factor + 2) * (nbytes + 4096)
         size = min(AUTO_RING_MAX, max(AUTO_RING_MIN, -(-want // (1 << 20)) << 20))
         log.info("ring_bytes auto: first batch %d bytes -> %d MiB per worker", nbytes, size >> 20)
         self.ring_bytes = size
@@ -298,10 +307,14 @@ class ShardLoader:
         self.preempted = True
         log.warning("preemption signal: loader position saved (%s)", path or "callback")
 
-    def _drain_releases(self) -> None:
+    def _drain_releases(self, ring: Any = None) -> bool:
+        """Release the messages whose batches the loop let go of; True if one was ``ring``'s."""
+        mine = False
         while self._released:
-            ring, msg = self._released.popleft()
-            ring.release(msg)
+            r, msg = self._released.popleft()
+            r.release(msg)
+            mine = mine or r is ring
+        return mine
 
     def _materialize(self, ring: Any, msg: Any) -> Any:
         spilled = ring is None  # came through the worker's spill pipe: already a private copy
@@ -349,58 +362,64 @@ class ShardLoader:
 
     def _copy_all(self, ring: Any) -> bool:
         """Whether batches of ``ring`` are copied out on arrival rather than handed out from it
-        (see :meth:`_unpin`)."""
+        (see :meth:`_make_room`)."""
         return (self._detach_events > _MAX_DETACH_EVENTS
                 or ring.retired_mappings() >= _MAX_RETIRED_MAPPINGS)
 
-    def _unpin(self) -> None:
-        """Move batches the loop keeps out of their rings before they stop them (``Ring.detach``).
+    def _make_room(self, ring: Any) -> bool:
+        """The pool's ``make_room``: ``ring``'s worker waits for space while the loop waits for
+        its next batch (or a batch of it just came through the pipe).  True if space came back.
 
-        A ring frees space in stream order, so one batch kept for good (a batch saved for
-        plotting, a variable left bound after a loop) would stop its ring once the worker came
-        round to it, and every later batch of that worker would crawl through its pipe.  A loop
-        holds the batch it works on while it asks for the next; a batch handed out before that
-        one and still held is kept on purpose, and gets its pages replaced by private copies at
-        the same addresses instead (one copy; the user's tensors do not notice) and its ring
-        space back.  A loop that keeps batch after batch would need that at every step (and a
-        new mapping of the ring each time, alive while anything kept views it): after
-        ``_MAX_DETACH_EVENTS`` in an epoch, or with ``_MAX_RETIRED_MAPPINGS`` of a ring's old
-        mappings still in use, batches are copied out of that ring on arrival instead (see
-        ``_materialize``), and the kept ones still in it move out together."""
-        self._drain_releases()
+        A ring frees space in stream order, so a batch kept for good (a batch saved for
+        plotting, a variable left bound after a loop) stops it once the worker comes round to
+        it, and every later batch of that worker would crawl through its pipe.  A loop holds
+        the batch it works on while it asks for the next; a batch handed out before that one
+        and still held when its ring is full is kept on purpose, and gets its pages replaced by
+        private copies at the same addresses (``Ring.detach``: one copy of the pages of the
+        fields still referenced; the user's tensors do not notice) and its ring space back.
+        Only then: a loop that merely holds a batch a step longer (``prev = batch``) never
+        pays for a move while its ring has room.  A loop that keeps batch after batch would
+        need a move every time the ring fills (and a new mapping of the ring, alive while
+        anything kept views it): after ``_MAX_DETACH_EVENTS`` in an epoch, or with
+        ``_MAX_RETIRED_MAPPINGS`` of a ring's old mappings still in use, batches are copied out
+        of that ring on arrival instead (see ``_materialize``), and the kept ones still in it
+        move out together, the one the loop works on included."""
+        freed = self._drain_releases(ring)
         if not self._leased or self._detach_failed:
-            return
+            return freed
         last = self._handouts
-        pins: dict[int, tuple[Any, list[Any], list[Any]]] = {}
+        copy_all = self._copy_all(ring)
+        msgs: list[Any] = []
+        spans: list[Any] = []
         still: deque[tuple[int, Any, Any, list[Any]]] = deque()
         for entry in self._leased:
-            n, ring, msg, fields = entry
-            if msg.detached or not msg.in_use or ring.closed:
+            n, r, msg, fields = entry
+            if msg.detached or not msg.in_use or r.closed:
                 continue  # released (or queued for it), moved out, or its pool is gone
-            if n < last or self._copy_all(ring):
+            if r is ring and (n < last or copy_all):
                 # Only the fields still held keep their bytes (a loop that keeps the labels
                 # of every batch keeps just those); None: whatever holds the batch, all of it.
-                live = [(off, size) for ref, off, size in fields if ref() is not None]
-                _ring, msgs, spans = pins.setdefault(id(ring), (ring, [], []))
                 msgs.append(msg)
-                spans.append(live or None)
+                spans.append([(off, size) for ref, off, size in fields if ref() is not None]
+                             or None)
             else:
                 still.append(entry)
         self._leased = still
-        for ring, msgs, spans in pins.values():
-            before = len(ring.held_messages())
-            try:
-                ring.detach(msgs, spans)
-            except (OSError, UsageError) as exc:
-                # Kept batches then stop their rings as before detach existed: slower (their
-                # workers' batches take the pipe), never wrong.
-                self._detach_failed = True
-                log.warning("cannot move kept batches out of the shared-memory ring (%s); "
-                            "later batches may be slower while they are kept", exc)
-            self._detach_events += 1
-            self._stats.detached += before - len(ring.held_messages())
-            if self._detach_failed:
-                return
+        if not msgs:
+            return freed
+        before = len(ring.held_messages())
+        try:
+            ring.detach(msgs, spans)
+        except (OSError, UsageError) as exc:
+            # Kept batches then stop their rings as before detach existed: slower (their
+            # workers' batches take the pipe), never wrong.
+            self._detach_failed = True
+            log.warning("cannot move kept batches out of the shared-memory ring (%s); "
+                        "later batches may be slower while they are kept", exc)
+        self._detach_events += 1
+        moved = before - len(ring.held_messages())
+        self._stats.detached += moved
+        return freed or moved > 0
 
     def __iter__(self) -> Iterator[Any]:
         pool = self._ensure_pool()
@@ -422,8 +441,7 @@ class ShardLoader:
         self._iterating = token = object()  # a superseded iteration must not clear a newer one's
         try:
             while True:
-                # Before waiting: a kept batch may be what stops the ring the next one needs.
-                self._unpin()  # (it drains the released ones first)
+                self._drain_releases()
                 if self._preempt_pending and self._preempt_stop():
                     return
                 started = self._stats.begin_wait()

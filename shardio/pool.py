@@ -45,6 +45,14 @@ Spill
     message that overtook an earlier one through the other channel.  Error messages too large
     for the ring always go through the pipe.
 
+    Before it comes to that, main is told: it waits on a ring with ``recv(until_full=True)``,
+    which stops as soon as the worker waits for space (the worker nudges a waiting main, see
+    :mod:`shardio.ring`), and main calls :attr:`WorkerPool.make_room` with that ring (the
+    loader's: it moves batches the loop keeps out of the ring, ``Ring.detach``).  If that gives
+    nothing back, main waits as above until the next message (so it never spins), and the
+    spill breaks the deadlock; a spilled batch also makes main call ``make_room``, so that the
+    next batch can take the ring again.
+
 Ring sizing
     With an explicit size, the rings exist before the workers are forked, and each inherits its
     own.  With a size computed from the first batch (``PoolOptions.ring_bytes`` a function of
@@ -134,6 +142,7 @@ from ._tree import (
 from .config import START_TIMEOUT
 from .errors import (
     RingClosedError,
+    RingFullError,
     RingTimeoutError,
     ShmSpaceError,
     UsageError,
@@ -600,6 +609,9 @@ class _Worker:
     restarts: int = 0
     spawned: float = 0.0  # time.monotonic() of the fork
     spilling: bool = False  # the last message came through the spill pipe
+    # make_room gave nothing back while the worker waits for space: wait without until_full
+    # until the next message (see *Spill*).
+    full: bool = False
     # Messages of the current epoch received ahead of the step main waits for, by step.
     early: dict[int, tuple[Ring | None, Any]] = field(default_factory=dict)
 
@@ -626,6 +638,9 @@ class WorkerPool:
         self._workers: list[_Worker] = []
         self._closed = False
         self.restarts = 0
+        # Called with a ring whose worker waits for space while main waits for its next
+        # message; True if it gave space back (see *Spill*).
+        self.make_room: Callable[[Ring], bool] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -700,7 +715,7 @@ class WorkerPool:
             os.close(ctl_recv)
             data_send.close()
         w.proc, w.ctl, w.data = proc, ctl_send, data_recv
-        w.spilling = False
+        w.spilling = w.full = False
         w.outbox.clear()
         w.partial = False
 
@@ -734,6 +749,7 @@ class WorkerPool:
         for w, todo in zip(self._workers, todos):
             self._drop_early(w)
             self._want[w.index] = -1
+            w.full = False
             if w.partial:  # the worker is reading that command: finish it, drop the rest
                 while len(w.outbox) > 1:
                     w.outbox.pop()
@@ -803,11 +819,15 @@ class WorkerPool:
                 return None
         else:
             try:
-                msg = w.ring.recv(timeout=poll)
+                msg = w.ring.recv(timeout=poll,
+                                  until_full=self.make_room is not None and not w.full)
+            except RingFullError:  # its worker waits for space that main holds
+                w.full = not self.make_room(w.ring)  # type: ignore[misc]
+                return None
             except RingTimeoutError:
                 got = self._recv_spilled(w) if w.data.poll(0) else None
                 return None if got is _EOF else got  # type: ignore[return-value]
-        w.spilling = False
+        w.spilling = w.full = False
         return w.ring, msg
 
     def _recv_spilled(self, w: _Worker) -> tuple[Ring | None, Any] | object | None:
@@ -821,6 +841,8 @@ class WorkerPool:
             self._size_rings(w, _SIZE_REPORT.unpack(data)[1])
             return None
         w.spilling = True
+        if w.ring is not None and self.make_room is not None:
+            self.make_room(w.ring)  # the ring was full: the next batch may take it again
         return None, SpilledMessage(data)
 
     @staticmethod

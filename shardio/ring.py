@@ -25,7 +25,9 @@ Header (little-endian; every shared word on its own 64-byte cache line)::
     192    4    closed            either side, seq_cst        0 open, 1 closed (never reset)
     256    4    data_seq          producer, +1 per publish    futex word the consumer sleeps on
     320    4    space_seq         consumer, +1 per tail move  futex word the producer sleeps on
-    384    4    producer_waiting  producer                    1 while it may sleep on space_seq
+    384    4    producer_waiting  producer                    nonzero while it may sleep on
+                                                              space_seq: 1 + the space_seq it
+                                                              read (mod 2**31)
     448    4    consumer_waiting  consumer                    1 while it may sleep on data_seq
     512    cap  data area
 
@@ -58,6 +60,8 @@ How a blocked side sleeps and wakes (consumer shown; the producer mirrors it on 
 
     seq = load(data_seq); store(consumer_waiting, 1); fence()
     if head moved or closed: store(consumer_waiting, 0) and proceed
+    [recv(until_full=True) only] if the producer waits for space the consumer has not given
+        since: store(consumer_waiting, 0); RingFullError
     futex_wait(data_seq, seq, timeout); store(consumer_waiting, 0); loop
 
     The publisher stores ``head``, bumps ``data_seq``, fences, then reads ``consumer_waiting``.
@@ -66,6 +70,18 @@ How a blocked side sleeps and wakes (consumer shown; the producer mirrors it on 
     that lands before the sleeper reaches the kernel makes ``futex_wait`` return at once.  So no
     wake-up is lost and nobody spins.  The futex is the shared (not PRIVATE) kind: the word lives
     in a mapping shared between processes.
+
+    A producer about to sleep for space also nudges a waiting consumer (bump ``data_seq``, wake
+    it), so that a consumer that holds what the producer waits for can be told so:
+    ``recv(until_full=True)`` stops with RingFullError, rather than sleeping on, once nothing is
+    there to receive and the producer waits for space (the same Dekker pairing of flag, fence
+    and check as above: the producer sees ``consumer_waiting`` and nudges, or the consumer sees
+    ``producer_waiting``).  So the two sides cannot both sleep, each waiting for the other,
+    with no one told.  ``producer_waiting`` holds 1 + the ``space_seq`` the producer read before
+    its last look at ``tail`` (31 bits), and the consumer only counts it while ``space_seq``
+    still has that value: right after a release the producer is still asleep with the flag set,
+    and is about to find the room it was given.  A worker pool uses this to move batches the
+    training loop keeps out of the ring only when they are in the way (``Ring.detach``).
 
 Closing
     ``close()`` on either side sets ``closed``, bumps both seq words and wakes every sleeper.  The
@@ -123,6 +139,7 @@ from .errors import (
     MessageTooLargeError,
     RingClosedError,
     RingCorruptError,
+    RingFullError,
     RingNotFoundError,
     RingTimeoutError,
     ShmSpaceError,
@@ -156,6 +173,7 @@ _OFF_CONSUMER_WAITING = 448
 _FIXED = struct.Struct("<8sIIQQ")  # magic, version, header_bytes, capacity, creator_pid
 _U64 = struct.Struct("<Q")
 _WAKE_ALL = 2**31 - 1
+_SEQ_MASK = 2**31 - 1  # producer_waiting holds 1 + space_seq & _SEQ_MASK (never 0)
 
 
 def _record_size(nbytes: int) -> int:
@@ -572,7 +590,7 @@ class Ring:
             return
         while True:
             seq = _load_u32(mm, _OFF_SPACE_SEQ)
-            _store_u32(mm, _OFF_PRODUCER_WAITING, 1)
+            _store_u32(mm, _OFF_PRODUCER_WAITING, 1 + (seq & _SEQ_MASK))
             _fence()
             try:
                 if _load_u32(mm, _OFF_CLOSED):
@@ -580,6 +598,9 @@ class Ring:
                 self._tail_seen = _load_u64(mm, _OFF_TAIL)
                 if cap - (self._head - self._tail_seen) >= need:
                     return
+                if _load_u32(mm, _OFF_CONSUMER_WAITING):  # see *How a blocked side sleeps*
+                    _fetch_add_u32(mm, _OFF_DATA_SEQ, 1)
+                    _futex_wake(mm, _OFF_DATA_SEQ, 1)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     used = self._head - self._tail_seen
@@ -596,14 +617,18 @@ class Ring:
                                "side called close()); stop sending")
 
     # --- consumer ----------------------------------------------------------------------------
-    def recv(self, timeout: float | None = None) -> Message:
+    def recv(self, timeout: float | None = None, *, until_full: bool = False) -> Message:
         """Receive the next message, zero-copy; keep it until :meth:`release`.
 
-        ``timeout=None`` waits forever, ``0`` only takes what is already there.
+        ``timeout=None`` waits forever, ``0`` only takes what is already there.  With
+        ``until_full=True`` it also stops waiting once the producer waits for space (RingFullError):
+        what it waits for is held here, and only this side can give it back.
 
         Raises:
             RingClosedError: the ring is closed and every committed message was received.
             RingTimeoutError: nothing arrived within ``timeout`` seconds.
+            RingFullError: (``until_full=True``) nothing to receive, and the producer waits for
+                room.
             RingCorruptError: the record at the read position is malformed.
         """
         mm = self._open()
@@ -616,7 +641,7 @@ class Ring:
                 if rpos == self._head_seen:
                     if deadline is None:
                         deadline = _deadline(timeout)
-                    self._wait_data(deadline, timeout)
+                    self._wait_data(deadline, timeout, until_full)
             off = rpos % cap
             (length,) = _U64.unpack_from(mm, _HEADER_BYTES + off)
             if length == _SKIP:
@@ -798,7 +823,19 @@ class Ring:
             if _load_u32(mm, _OFF_PRODUCER_WAITING):
                 _futex_wake(mm, _OFF_SPACE_SEQ, 1)
 
-    def _wait_data(self, deadline: float | None, timeout: float | None) -> None:
+    @property
+    def producer_waiting(self) -> bool:
+        """The producer waits for space (or is about to) that this side has not given back
+        since it looked (see the module docstring)."""
+        return self._producer_short(self._open())
+
+    @staticmethod
+    def _producer_short(mm: Any) -> bool:
+        flag = _load_u32(mm, _OFF_PRODUCER_WAITING)
+        return flag != 0 and flag - 1 == _load_u32(mm, _OFF_SPACE_SEQ) & _SEQ_MASK
+
+    def _wait_data(self, deadline: float | None, timeout: float | None,
+                   until_full: bool = False) -> None:
         mm = self._mm
         while True:
             seq = _load_u32(mm, _OFF_DATA_SEQ)
@@ -812,6 +849,11 @@ class Ring:
                     raise RingClosedError(
                         f"ring {self._name()} is closed and every message was received: the "
                         "producer finished (or either side called close())")
+                if until_full and self._producer_short(mm):
+                    raise RingFullError(
+                        f"ring {self._name()}: nothing to receive and the producer waits for "
+                        f"space ({self._held_bytes} payload bytes held here): release or detach "
+                        "held messages")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise RingTimeoutError(

@@ -36,6 +36,7 @@ from shardio.errors import (
     MessageTooLargeError,
     RingClosedError,
     RingCorruptError,
+    RingFullError,
     RingNotFoundError,
     RingTimeoutError,
     ShardioError,
@@ -536,6 +537,63 @@ def test_producer_sleeps_on_full_ring_until_release() -> None:
         for m in msgs[1:3] + msgs[4:]:
             ring.release(m)
         assert ring.recv(timeout=5).view == b"last" * 250
+        assert _join(proc) == 0
+
+
+def _overfill_after(ring: Ring, conn: Any, delay: float, count: int) -> None:
+    """Send ``count`` messages of 1000 bytes, the last of which does not fit until the consumer
+    gives room back, and that one ``delay`` s after the others (the consumer, which holds them
+    all, is asleep in recv by then)."""
+    ring.become_producer()
+    for k in range(count):
+        if k == count - 1:
+            time.sleep(delay)
+        ring.send(bytes([k]) * 1000, timeout=20)
+    conn.send("sent")
+
+
+def test_recv_until_full_stops_when_the_producer_waits_for_space() -> None:
+    """The consumer holds every message and waits for the next: with until_full it is told
+    (RingFullError), whether the producer was already waiting when it began to wait or came to
+    wait while it slept (the producer's nudge), never after its timeout; once it gives room
+    back the producer goes on.  Without until_full it waits out its timeout as ever."""
+    with Ring.create(1 << 14, unlink_now=True) as ring:
+        per_ring = (1 << 14) // 1088  # records of 1000 bytes that fit
+        parent, child = CTX.Pipe()
+        proc = _fork(_overfill_after, ring, child, 0.0, per_ring + 1)
+        held = [ring.recv(timeout=20) for _ in range(per_ring)]
+        deadline = time.monotonic() + 20
+        while not ring.producer_waiting:  # it waits for the room of message per_ring + 1
+            assert time.monotonic() < deadline, "the producer never waited for space"
+            time.sleep(0.01)
+        with pytest.raises(RingTimeoutError) as plain:
+            ring.recv(timeout=0.2)
+        assert type(plain.value) is RingTimeoutError
+        t0 = time.monotonic()
+        with pytest.raises(RingFullError):
+            ring.recv(timeout=20, until_full=True)
+        assert time.monotonic() - t0 < 5
+        ring.release(held.pop(0))
+        assert ring.recv(timeout=20, until_full=True).view == bytes([per_ring]) * 1000
+        assert parent.poll(20) and parent.recv() == "sent"
+        assert _join(proc) == 0
+
+        # The consumer sleeps first; the producer runs out of room 0.5 s later and nudges it.
+        for m in held:
+            ring.release(m)
+        ring.release(ring.held_messages()[0])
+        proc = _fork(_overfill_after, ring, child, 0.5, per_ring + 1)
+        t0 = time.monotonic()
+        held = []
+        with pytest.raises(RingFullError):
+            while True:
+                held.append(ring.recv(timeout=30, until_full=True))
+        assert time.monotonic() - t0 < 20, "told only after the timeout: no nudge"
+        assert len(held) == per_ring
+        for m in held:
+            ring.release(m)
+        assert ring.recv(timeout=20).view == bytes([per_ring]) * 1000
+        assert parent.poll(20) and parent.recv() == "sent"
         assert _join(proc) == 0
 
 
