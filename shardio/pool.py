@@ -421,6 +421,8 @@ class _Output:
 
     def adopt(self, ring: Ring) -> None:
         ring.become_producer()
+        # Its pages mapped in one go: the first pass round the ring would fault on every one.
+        ring.populate()
         self.ring = ring
 
     def report_space(self, exc: ShmSpaceError) -> None:
