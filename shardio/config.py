@@ -85,7 +85,8 @@ class PackOptions:
     Args:
         format: ``"tar"`` (WebDataset-compatible) or ``"hdf5"``.
         shard_size: upper bound on a shard's size in bytes (``"256MB"`` accepted); counted on the
-            uncompressed payload plus tar framing, so compressed shards come out smaller.
+            uncompressed payload plus tar framing (HDF5: plus the file's metadata and index),
+            so compressed shards come out smaller.
             ``None`` with ``samples_per_shard`` set means no byte limit.
         samples_per_shard: upper bound on samples per shard, or ``None``.
         workers: processes writing shards in parallel; the output does not depend on it.

@@ -26,6 +26,13 @@ __all__ = ["plan_shards"]
 
 _TAR_OVERHEAD = 512
 _TAR_END = 1024
+# An HDF5 shard's bytes besides its payload (shardio.formats.hdf5): a fixed part (superblock,
+# groups, dataset headers, attributes: 10.3-10.9 KB measured with 3 fields; this leaves room for
+# more field names and a longer meta), and per sample its key and two u64 index entries, per
+# field an index row (u16 name, u8 flags, 4 u64s).
+_H5_FIXED = 16 << 10
+_H5_PER_SAMPLE = 16
+_H5_PER_FIELD = 35
 
 
 def _estimate(sample: Sample, options: PackOptions) -> int:
@@ -36,7 +43,8 @@ def _estimate(sample: Sample, options: PackOptions) -> int:
         zst = ".zst" if options.codec_name else ""
         return sum(_tar_header_size(f"{sample.key}.{name}{zst}", s) + s + (-s % 512)
                    for name, s in sizes)
-    return sum(s for _name, s in sizes)
+    return (sum(s for _name, s in sizes) + _H5_PER_SAMPLE + len(sample.key.encode())
+            + _H5_PER_FIELD * len(sizes))
 
 
 def _tar_header_size(member: str, size: int) -> int:
@@ -50,9 +58,12 @@ def _estimator(options: PackOptions) -> Callable[[Sample], int]:
     """``_estimate`` for these options, with the per-field work hoisted out of the call."""
     if options.format != "tar":
         def stored(s: Sample) -> int:
-            n = 4 if s.label is not None else 0
+            key = s.key
+            n = _H5_PER_SAMPLE + (len(key) if key.isascii() else len(key.encode()))
+            if s.label is not None:
+                n += 4 + _H5_PER_FIELD
             for f in s.files:
-                n += f[2]
+                n += f[2] + _H5_PER_FIELD
             return n
 
         return stored
@@ -95,8 +106,9 @@ class _Planner:
 
     def __init__(self, options: PackOptions) -> None:
         self.limit, self.per = options.shard_bytes, options.samples_per_shard
-        # Every tar ends with two zero blocks, which count against the limit too.
-        self.base = _TAR_END if options.format == "tar" else 0
+        # Every tar ends with two zero blocks, every HDF5 file has its metadata: both count
+        # against the limit too.
+        self.base = _TAR_END if options.format == "tar" else _H5_FIXED
         self.room = self.limit - self.base if self.limit is not None else None
         self.acc = self.count = 0
 

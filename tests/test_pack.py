@@ -274,6 +274,10 @@ def test_samples_per_shard_limit(cli: Cli, image_tree: Path, tmp_path: Path) -> 
     ("20KB", "long", []),
     ("20KB", "long", ["--compress", "zstd"]),
     ("20KB", "unicode", []),
+    # HDF5: the file's metadata (~10 KB) and its index count too.
+    ("40KB", "images", ["--format", "hdf5"]),
+    ("64KiB", "images", ["--format", "hdf5", "--label-from-dir"]),
+    ("20KB", "unicode", ["--format", "hdf5"]),
 ])
 def test_shard_size_limit(cli: Cli, image_tree: Path, tmp_path: Path, limit: str, names: str,
                           extra: list[str]) -> None:
