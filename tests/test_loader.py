@@ -505,6 +505,30 @@ def test_holding_the_previous_batch_a_step_longer_moves_nothing(
     assert (stats["detached"], stats["copied_out"], stats["spilled"]) == (0, 0, 0), stats
 
 
+def test_a_kept_batch_moves_out_when_the_batches_after_it_were_copied(
+        text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    """Every hand-out counts in the numbering that tells a kept batch from the one the loop works
+    on, copied ones too.  One worker keeps its first batch for good; with max_held_fraction that
+    low, every later batch is copied out of the ring on arrival, so the kept one is the last batch
+    *handed out from the ring*.  It must still move out once the ring fills behind it: one move,
+    nothing through the pipe.  (Numbering ring hand-outs only, the kept batch would pass for the
+    current one and stop the ring: every later batch a pipe trip after a poll_interval.)"""
+    loader = make_loader(ShardDataset(text, seed=4, transform=big_payload), 4, num_workers=1,
+                         ring_bytes="5MiB", max_held_fraction=0.05, **FAST)
+    first = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the copy-out notice
+        n = 0
+        for batch in loader:
+            first = first or batch
+            n += 1
+    assert first is not None and n == len(loader) > 8
+    assert all(first["x"][i].eq(int(k[-4:])).all() for i, k in enumerate(first["__key__"]))
+    stats = loader.stats()
+    assert stats["detached"] == 1 and stats["spilled"] == 0, stats
+    assert 0 < stats["copied_out"] < n
+
+
 def settled_uss() -> int:
     """This process's USS after a full collection and, under glibc, ``malloc_trim(0)``: freed
     heap that the allocator keeps would otherwise swing it by megabytes between calls."""
