@@ -13,7 +13,15 @@
  *       (the shard's per-sample checksum function) and must return the index's value;
  *       `on_read`, when not None, is called with the bytes read once they all checked out.
  *
- * It returns None when the sample is not plain, and the caller reads it with the Python code: a
+ *   Index.get_into(fd, i, buf, view, voff, min_bytes, check, on_read=None) -> dict | tuple | None
+ *       the same for a reader with an arena (shardio.sharedbytes): the sample's span
+ *       [lo[i], hi[i]) lands whole in ``buf`` (a writable buffer of exactly that many bytes: the
+ *       arena's room at offset ``voff`` of its chunk view ``view``) with one pread; a field of at
+ *       least ``min_bytes`` bytes is ``view[voff + o : voff + o + length]`` (o: its offset in the
+ *       span), a smaller one a new bytes object.  That is ShardReader.get's fast path with
+ *       ``ShardDataset(zero_copy=True)``; before it, those reads went through per-field Python.
+ *
+ * Both return None when the sample is not plain, and the caller reads it with the Python code: a
  * compressed field, fields out of offset order or with a gap wider than the scratch buffer, a
  * key that is not UTF-8.  A fault comes back as a tuple for the caller to raise as its typed
  * error (so it is counted and fails over like any other): ("io", errno) when preadv failed,
@@ -124,6 +132,86 @@ release_fields(PyObject **fields, Py_ssize_t made)
 
 #define U64(self, a, i) (((const uint64_t *)(self)->views[a].buf)[i])
 
+typedef struct {
+    uint64_t r0, r1; /* field rows */
+    uint64_t k0, k1; /* key bytes in key_blob */
+    int64_t lo, hi;  /* the sample's span in the shard */
+} Span;
+
+/* Sample i's span and rows: 1, or 0 when the index does not hold together for it (the caller
+ * returns None), or -1 with IndexError set. */
+static int
+span_of(IndexObject *self, Py_ssize_t i, Span *sp)
+{
+    if (i < 0 || i >= self->samples) {
+        PyErr_SetString(PyExc_IndexError, "sample index out of range");
+        return -1;
+    }
+    sp->r0 = U64(self, A_START, i);
+    sp->r1 = U64(self, A_START, i + 1);
+    sp->k0 = U64(self, A_KEYOFF, i);
+    sp->k1 = U64(self, A_KEYOFF, i + 1);
+    sp->lo = ((const int64_t *)self->views[A_LO].buf)[i];
+    sp->hi = ((const int64_t *)self->views[A_HI].buf)[i];
+    return !(sp->r1 < sp->r0 || sp->r1 > (uint64_t)self->rows || sp->k1 < sp->k0
+             || sp->k1 > (uint64_t)PyBytes_GET_SIZE(self->key_blob) || sp->hi < sp->lo
+             || sp->lo < 0);
+}
+
+/* check(field) against the index's checksum of `row`: 1 equal, 0 not (*found set), -1 error. */
+static int
+check_field(IndexObject *self, PyObject *check, PyObject *field, uint64_t row,
+            unsigned long long *found)
+{
+    PyObject *c = PyObject_CallOneArg(check, field);
+    if (c == NULL) {
+        return -1;
+    }
+    *found = PyLong_AsUnsignedLongLong(c);
+    Py_DECREF(c);
+    if (*found == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    return (uint64_t)*found == ((const uint64_t *)self->views[A_CHECKSUM].buf)[row];
+}
+
+/* on_read(nbytes) unless None: 0, or -1 with its exception set. */
+static int
+report_read(PyObject *on_read, ssize_t nbytes)
+{
+    if (on_read == Py_None) {
+        return 0;
+    }
+    PyObject *n = PyLong_FromSsize_t((Py_ssize_t)nbytes);
+    PyObject *r = n == NULL ? NULL : PyObject_CallOneArg(on_read, n);
+    Py_XDECREF(n);
+    if (r == NULL) {
+        return -1;
+    }
+    Py_DECREF(r);
+    return 0;
+}
+
+/* {"__key__": key}, or NULL: with an exception set, or without one for a key that is not
+ * UTF-8 (the caller returns None and the Python code reads the sample). */
+static PyObject *
+new_sample(IndexObject *self, const Span *sp)
+{
+    PyObject *key = PyUnicode_DecodeUTF8(PyBytes_AS_STRING(self->key_blob) + sp->k0,
+                                         (Py_ssize_t)(sp->k1 - sp->k0), NULL);
+    if (key == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *sample = PyDict_New();
+    if (sample == NULL || PyDict_SetItemString(sample, "__key__", key) < 0) {
+        Py_XDECREF(sample);
+        sample = NULL;
+    }
+    Py_DECREF(key);
+    return sample;
+}
+
 static PyObject *
 index_get(IndexObject *self, PyObject *args)
 {
@@ -133,19 +221,17 @@ index_get(IndexObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "inO|O", &fd, &i, &check, &on_read)) {
         return NULL;
     }
-    if (i < 0 || i >= self->samples) {
-        PyErr_SetString(PyExc_IndexError, "sample index out of range");
+    Span sp;
+    int plain = span_of(self, i, &sp);
+    if (plain < 0) {
         return NULL;
     }
-    uint64_t r0 = U64(self, A_START, i), r1 = U64(self, A_START, i + 1);
-    uint64_t k0 = U64(self, A_KEYOFF, i), k1 = U64(self, A_KEYOFF, i + 1);
-    int64_t lo = ((const int64_t *)self->views[A_LO].buf)[i];
-    int64_t hi = ((const int64_t *)self->views[A_HI].buf)[i];
+    uint64_t r0 = sp.r0, r1 = sp.r1;
+    int64_t lo = sp.lo, hi = sp.hi;
     const uint8_t *flags = self->views[A_FLAGS].buf;
     const uint16_t *fname = self->views[A_NAME].buf;
     Py_ssize_t nf = (Py_ssize_t)(r1 - r0);
-    if (r1 < r0 || r1 > (uint64_t)self->rows || nf > MAX_FIELDS || k1 < k0
-        || k1 > (uint64_t)PyBytes_GET_SIZE(self->key_blob) || hi < lo) {
+    if (!plain || nf > MAX_FIELDS) {
         Py_RETURN_NONE;
     }
     PyObject *fields[MAX_FIELDS];
@@ -197,46 +283,28 @@ index_get(IndexObject *self, PyObject *args)
             return Py_BuildValue("(sn)", "short", (Py_ssize_t)got);
         }
     }
-    if (check != Py_None) {
-        const uint64_t *sums = self->views[A_CHECKSUM].buf;
-        for (Py_ssize_t r = 0; r < nf; r++) {
-            PyObject *c = PyObject_CallOneArg(check, fields[r]);
-            if (c == NULL) {
-                goto error;
-            }
-            unsigned long long v = PyLong_AsUnsignedLongLong(c);
-            Py_DECREF(c);
-            if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-                goto error;
-            }
-            if ((uint64_t)v != sums[r0 + (uint64_t)r]) {
-                release_fields(fields, made);
-                return Py_BuildValue("(sKK)", "checksum", (unsigned long long)(r0 + r), v);
-            }
-        }
-    }
-    if (on_read != Py_None) {
-        PyObject *n = PyLong_FromSsize_t((Py_ssize_t)want);
-        PyObject *r = n == NULL ? NULL : PyObject_CallOneArg(on_read, n);
-        Py_XDECREF(n);
-        if (r == NULL) {
+    for (Py_ssize_t r = 0; check != Py_None && r < nf; r++) {
+        unsigned long long found;
+        int ok = check_field(self, check, fields[r], r0 + (uint64_t)r, &found);
+        if (ok < 0) {
             goto error;
         }
-        Py_DECREF(r);
+        if (!ok) {
+            release_fields(fields, made);
+            return Py_BuildValue("(sKK)", "checksum", (unsigned long long)(r0 + r), found);
+        }
     }
-    PyObject *sample = PyDict_New();
-    if (sample == NULL) {
+    if (report_read(on_read, want) < 0) {
         goto error;
     }
-    PyObject *key = PyUnicode_DecodeUTF8(PyBytes_AS_STRING(self->key_blob) + k0,
-                                         (Py_ssize_t)(k1 - k0), NULL);
-    if (key == NULL) {
-        Py_DECREF(sample);
-        PyErr_Clear();
+    PyObject *sample = new_sample(self, &sp);
+    if (sample == NULL) {
+        if (PyErr_Occurred()) {
+            goto error;
+        }
         goto fallback;
     }
-    int bad = PyDict_SetItemString(sample, "__key__", key) < 0;
-    Py_DECREF(key);
+    int bad = 0;
     for (Py_ssize_t r = 0; !bad && r < nf; r++) {
         PyObject *name = PyTuple_GET_ITEM(self->names, fname[r0 + (uint64_t)r]);
         bad = PyDict_SetItem(sample, name, fields[r]) < 0;
@@ -255,10 +323,121 @@ error:
     return NULL;
 }
 
+static PyObject *
+index_get_into(IndexObject *self, PyObject *args)
+{
+    int fd;
+    Py_ssize_t i, voff, min_bytes;
+    PyObject *bufobj, *view, *check, *on_read = Py_None;
+    if (!PyArg_ParseTuple(args, "inOOnnO|O", &fd, &i, &bufobj, &view, &voff, &min_bytes, &check,
+                          &on_read)) {
+        return NULL;
+    }
+    Span sp;
+    int plain = span_of(self, i, &sp);
+    if (plain <= 0) {
+        return plain < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    uint64_t r0 = sp.r0, r1 = sp.r1;
+    int64_t lo = sp.lo, hi = sp.hi;
+    const uint8_t *flags = self->views[A_FLAGS].buf;
+    const uint16_t *fname = self->views[A_NAME].buf;
+    for (uint64_t row = r0; row < r1; row++) {
+        uint64_t off = U64(self, A_OFFSET, row), len = U64(self, A_LENGTH, row);
+        if (flags[row] != 0 || off < (uint64_t)lo || off + len > (uint64_t)hi || off + len < off
+            || fname[row] >= PyTuple_GET_SIZE(self->names)) {
+            Py_RETURN_NONE;
+        }
+    }
+    Py_buffer pb;
+    if (PyObject_GetBuffer(bufobj, &pb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    ssize_t want = (ssize_t)(hi - lo), got = 0;
+    if (pb.len != want) {
+        PyErr_Format(PyExc_ValueError, "buffer of %zd bytes for a span of %zd", pb.len, want);
+        goto done;
+    }
+    char *base = pb.buf;
+    if (want > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        do {
+            got = pread(fd, base, (size_t)want, (off_t)lo);
+        } while (got < 0 && errno == EINTR);
+        Py_END_ALLOW_THREADS
+        if (got < 0) {
+            result = Py_BuildValue("(si)", "io", errno);
+            goto done;
+        }
+        if (got != want) {
+            result = Py_BuildValue("(sn)", "short", (Py_ssize_t)got);
+            goto done;
+        }
+    }
+    for (uint64_t row = r0; check != Py_None && row < r1; row++) {
+        PyObject *mv = PyMemoryView_FromMemory(base + (U64(self, A_OFFSET, row) - (uint64_t)lo),
+                                               (Py_ssize_t)U64(self, A_LENGTH, row), PyBUF_READ);
+        if (mv == NULL) {
+            goto done;
+        }
+        unsigned long long found;
+        int ok = check_field(self, check, mv, row, &found);
+        Py_DECREF(mv);
+        if (ok < 0) {
+            goto done;
+        }
+        if (!ok) {
+            result = Py_BuildValue("(sKK)", "checksum", (unsigned long long)row, found);
+            goto done;
+        }
+    }
+    if (report_read(on_read, want) < 0) {
+        goto done;
+    }
+    PyObject *sample = new_sample(self, &sp);
+    if (sample == NULL) {
+        if (!PyErr_Occurred()) {
+            result = Py_NewRef(Py_None);
+        }
+        goto done;
+    }
+    int bad = 0;
+    for (uint64_t row = r0; !bad && row < r1; row++) {
+        Py_ssize_t off = (Py_ssize_t)(U64(self, A_OFFSET, row) - (uint64_t)lo);
+        Py_ssize_t len = (Py_ssize_t)U64(self, A_LENGTH, row);
+        PyObject *field;
+        if (len >= min_bytes) { /* a view of the chunk (shardio.sharedbytes) */
+            PyObject *a = PyLong_FromSsize_t(voff + off), *b = PyLong_FromSsize_t(voff + off + len);
+            PyObject *slice = (a == NULL || b == NULL) ? NULL : PySlice_New(a, b, NULL);
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            field = slice == NULL ? NULL : PyObject_GetItem(view, slice);
+            Py_XDECREF(slice);
+        } else {
+            field = PyBytes_FromStringAndSize(base + off, len);
+        }
+        bad = field == NULL
+              || PyDict_SetItem(sample, PyTuple_GET_ITEM(self->names, fname[row]), field) < 0;
+        Py_XDECREF(field);
+    }
+    if (bad) {
+        Py_XDECREF(sample);
+        goto done;
+    }
+    result = sample;
+done:
+    PyBuffer_Release(&pb);
+    return result;
+}
+
 static PyMethodDef index_methods[] = {
     {"get", (PyCFunction)index_get, METH_VARARGS,
      "get(fd, i, check, on_read=None) -> dict | None: sample i read with one preadv (see the "
      "module source)."},
+    {"get_into", (PyCFunction)index_get_into, METH_VARARGS,
+     "get_into(fd, i, buf, view, voff, min_bytes, check, on_read=None) -> dict | tuple | None: "
+     "sample i read with one pread into buf (see the module source)."},
     {NULL, NULL, 0, NULL},
 };
 

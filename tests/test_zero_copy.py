@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 import shardio
 from shardio import sharedbytes as sb
 from shardio.decode import decode_field
-from shardio.errors import ChecksumMismatchError, UnrepairableError
+from shardio.errors import ChecksumMismatchError, ShardTruncatedError, UnrepairableError
 from tools.faults import flip_bits
 
 pytestmark = pytest.mark.timeout(120)
@@ -167,6 +167,25 @@ def test_a_chunk_is_reused_only_when_nothing_holds_it() -> None:
     assert arena.allocated == 3  # chunks freed everywhere are reused, not reallocated
 
 
+def test_a_short_read_into_the_arena_is_a_truncated_shard(ds_path: Path, tmp_path: Path) -> None:
+    """A shard cut under a live reader: the one-pread read of a single sample into the arena
+    comes back short, and that is a ShardTruncatedError (no partial sample)."""
+    root = tmp_path / "ds"
+    shutil.copytree(ds_path, root)
+    ref = _reference(ds_path)
+    ds = shardio.ShardDataset(root, shuffle=True, zero_copy=True)
+    reader = ds.reader
+    n0 = int(reader.offsets[1])
+    first = list(reader.read_ids(np.array([0, 2])))  # single-sample reads: the shard opens
+    assert [_as_bytes(s["bin"]) for s in first] == [ref[s["__key__"]]["bin"] for s in first]
+    start, _end = reader.shard_index(0).span(n0 - 1)
+    os.truncate(root / shardio.Manifest.load(root).shards[0].path, start + 1)
+    with pytest.raises((ShardTruncatedError, UnrepairableError)) as err:
+        list(reader.read_ids(np.array([n0 - 1])))
+    assert "truncated" in str(err.value)
+    assert reader.counters.get("truncated") >= 1
+
+
 def test_fields_of_a_run_survive_later_reads(ds_path: Path) -> None:
     """Fields kept by the caller are never overwritten by the reads after them (chunk reuse)."""
     ref = _reference(ds_path)
@@ -186,7 +205,10 @@ def test_nothing_left_in_dev_shm(ds_path: Path) -> None:
     assert set(os.listdir("/dev/shm")) - before == set()
 
 
-def test_checksums_and_repair_hold(ds_path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_checksums_and_repair_hold(ds_path: Path, tmp_path: Path, shuffle: bool) -> None:
+    """Runs of samples (in order) and single samples (shuffled: shardio/_sampleio.c's
+    ``get_into``, one pread into the arena) are both checked, and repaired from a replica."""
     root = tmp_path / "ds"
     shutil.copytree(ds_path, root)
     replica = tmp_path / "replica"
@@ -194,10 +216,10 @@ def test_checksums_and_repair_hold(ds_path: Path, tmp_path: Path) -> None:
     ref = _reference(ds_path)
     shard = root / shardio.Manifest.load(root).shards[2].path
     flip_bits(str(shard), 700)  # inside the payload of the shard's first sample (>= 1000 B at 512)
-    bad = shardio.ShardDataset(root, shuffle=False, zero_copy=True)
+    bad = shardio.ShardDataset(root, shuffle=shuffle, zero_copy=True)
     with pytest.raises((ChecksumMismatchError, UnrepairableError)):
         list(bad)
-    good = shardio.ShardDataset(root, shuffle=False, zero_copy=True, replicas=[str(replica)])
+    good = shardio.ShardDataset(root, shuffle=shuffle, zero_copy=True, replicas=[str(replica)])
     got = {s["__key__"]: _as_bytes(s["bin"]) for s in good}
     assert got == {k: v["bin"] for k, v in ref.items()}
     assert good.reader.counters.get("checksum_mismatch") >= 1

@@ -544,11 +544,23 @@ class ShardReader:
     def get(self, i: int) -> dict[str, Any]:
         """Sample ``i`` with one ``pread`` and no bounds check (hot path of shuffled reads)."""
         cidx = self._cidx
-        if cidx is not None and self.arena is None and not _inject.ACTIVE:
-            # One preadv, each field straight into its bytes (shardio/_sampleio.c); None when
-            # anything is off, and then the code below reads it again and raises.
+        arena = self.arena
+        if cidx is not None and not _inject.ACTIVE:
+            # One read (shardio/_sampleio.c): without an arena each field straight into its
+            # bytes, with one the whole span into the arena's room and big fields cut from its
+            # view; None when anything is off, and then the code below reads it again and raises.
             fd = self._hfd if self._hpid == _PID[0] and self._hfd is not None else self._fd()
-            sample = cidx.get(fd, i, self._check if self.verify else None, self.on_read)
+            check = self._check if self.verify else None
+            if arena is None:
+                sample = cidx.get(fd, i, check, self.on_read)
+            else:
+                lo, hi = self._mv[8][i], self._mv[9][i]  # type: ignore[index]
+                sample = None
+                if hi > lo:
+                    view, voff, mv = arena.take(hi - lo)
+                    sample = cidx.get_into(fd, i, mv, view, voff, arena.min_bytes, check,
+                                           self.on_read)
+                    del mv
             if type(sample) is dict:
                 return sample
             if sample is not None:
