@@ -171,6 +171,70 @@ def abandon_while_spilling(pool: WorkerPool, steps: Any) -> None:
     wait_blocked_in_spill(pool)
 
 
+class ThirdOfRingJob:
+    """Batches of 300 KiB filled with ``step % 256``: a 1 MiB ring holds 3 of them."""
+
+    def begin(self, spec: Any) -> None:
+        pass
+
+    def produce(self, step: int) -> tuple[Any, list[float]]:
+        return plan_tree({"x": np.full(300 << 10, step % 256, np.uint8)}), [0.0] * 6
+
+
+def test_main_is_told_when_its_worker_waits_for_room_that_main_holds(
+        make_pool: Callable[..., WorkerPool]) -> None:
+    """Main keeps every batch it receives, so the worker's ring fills and the worker waits for
+    room only main can give back.  Main is told, and calls make_room with the worker's ring:
+    - when make_room gives nothing back, main waits (make_room a few times, not in a loop) until
+      the worker sends its batches through the spill pipe, in order;
+    - when make_room releases what main holds, every batch of the epoch comes through the ring.
+    """
+    pool = make_pool(ThirdOfRingJob())
+    calls: list[Any] = []
+    held: list[tuple[Any, Any]] = []
+
+    def refuse(ring: Any) -> bool:
+        calls.append(ring)
+        return False
+
+    pool.make_room = refuse
+    with deadline(30, pool):
+        got = []
+        for step, ring, msg in pool.run({}, range(8)):
+            x = read_tree(np.frombuffer(msg.view, np.uint8))["x"]
+            got.append((step, int(x[0]), ring is not None))
+            del x
+            if ring is not None:
+                held.append((ring, msg))  # never released: the ring fills up
+    assert [g[:2] for g in got] == [(k, k) for k in range(8)]
+    assert [g[2] for g in got[:3]] == [True] * 3 and not any(g[2] for g in got[3:])
+    assert calls and all(r is pool._workers[0].ring for r in calls)
+    assert len(calls) <= 2 * len(got), f"make_room called {len(calls)} times: a spin"
+    while held:
+        r, m = held.pop()
+        r.release(m)
+
+    def release_held(ring: Any) -> bool:
+        calls.append(ring)
+        while held:
+            r, m = held.pop()
+            r.release(m)
+        return True
+
+    pool.make_room = release_held
+    calls.clear()
+    with deadline(30, pool):
+        got = []
+        for step, ring, msg in pool.run({}, range(8)):
+            got.append((step, ring is not None))
+            if ring is not None:
+                held.append((ring, msg))
+    assert got == [(k, True) for k in range(8)], got
+    assert calls  # the ring filled up, and main made room each time
+    for r, m in held:
+        r.release(m)
+
+
 # --- A: an epoch command never blocks main ---------------------------------------------------
 def test_long_epoch_starts_while_the_worker_is_blocked_in_a_spill(
         make_pool: Callable[..., WorkerPool]) -> None:
