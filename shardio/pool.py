@@ -50,8 +50,8 @@ Spill
     :mod:`shardio.ring`), and main calls :attr:`WorkerPool.make_room` with that ring (the
     loader's: it moves batches the loop keeps out of the ring, ``Ring.detach``).  If that gives
     nothing back, main waits as above until the next message (so it never spins), and the
-    spill breaks the deadlock; a spilled batch also makes main call ``make_room``, so that the
-    next batch can take the ring again.
+    spill breaks the deadlock; a batch spilled for want of room (not one larger than the ring)
+    also makes main call ``make_room``, so that the next batch can take the ring again.
 
 Ring sizing
     With an explicit size, the rings exist before the workers are forked, and each inherits its
@@ -843,7 +843,8 @@ class WorkerPool:
             self._size_rings(w, _SIZE_REPORT.unpack(data)[1])
             return None
         w.spilling = True
-        if w.ring is not None and self.make_room is not None:
+        if (w.ring is not None and self.make_room is not None
+                and len(data) <= w.ring.max_message):
             self.make_room(w.ring)  # the ring was full: the next batch may take it again
         return None, SpilledMessage(data)
 

@@ -235,6 +235,19 @@ def test_main_is_told_when_its_worker_waits_for_room_that_main_holds(
         r.release(m)
 
 
+def test_a_batch_larger_than_the_ring_is_no_reason_to_make_room(
+        make_pool: Callable[..., WorkerPool]) -> None:
+    """A batch that can never fit goes through the pipe whatever main holds: make_room (which
+    may copy kept batches out of the ring) is not called for it."""
+    pool = make_pool(BigStepJob(big=2))
+    calls: list[Any] = []
+    pool.make_room = lambda ring: bool(calls.append(ring))
+    with deadline(30, pool):
+        got = [value(ring, msg) for _step, ring, msg in pool.run({}, range(5))]
+    assert got == [(64, 0), (64, 1), (BIG, 2), (64, 3), (64, 4)]
+    assert calls == []
+
+
 # --- A: an epoch command never blocks main ---------------------------------------------------
 def test_long_epoch_starts_while_the_worker_is_blocked_in_a_spill(
         make_pool: Callable[..., WorkerPool]) -> None:
