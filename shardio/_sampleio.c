@@ -21,13 +21,19 @@
  *       span), a smaller one a new bytes object.  That is ShardReader.get's fast path with
  *       ``ShardDataset(zero_copy=True)``; before it, those reads went through per-field Python.
  *
- * Both return None when the sample is not plain, and the caller reads it with the Python code: a
- * compressed field, fields out of offset order or with a gap wider than the scratch buffer, a
- * key that is not UTF-8.  A fault comes back as a tuple for the caller to raise as its typed
- * error (so it is counted and fails over like any other): ("io", errno) when preadv failed,
- * ("short", bytes_read) when the file ended early, ("checksum", row, found) when a field does
- * not match the index.  That is ShardReader.get's fast path (shardio/formats/base.py): one copy
- * from the page cache instead of two, and no per-field Python code.
+ *   Index.cut(i, buf, base, view, voff, min_bytes, check) -> dict | tuple | None
+ *       sample i cut from shard bytes [base, base + len(buf)) the caller read already (a run of
+ *       samples read with one large pread: ShardReader.iter_range), fields as get_into makes
+ *       them (``view`` None: every field a new bytes object); ("checksum", row, found) when a
+ *       field does not match.  Nothing is read, so no "io" or "short" here.
+ *
+ * All three return None when the sample is not plain, and the caller reads it with the Python
+ * code: a compressed field, fields out of offset order or with a gap wider than the scratch
+ * buffer (get), a key that is not UTF-8.  A fault comes back as a tuple for the caller to raise
+ * as its typed error (so it is counted and fails over like any other): ("io", errno) when the
+ * read failed, ("short", bytes_read) when the file ended early, ("checksum", row, found) when a
+ * field does not match the index.  get is ShardReader.get's fast path (shardio/formats/base.py):
+ * one copy from the page cache instead of two, and no per-field Python code.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -323,6 +329,83 @@ error:
     return NULL;
 }
 
+/* Whether every field of the sample is stored plain (not compressed), known by name and inside
+ * [lo, hi): what the one-buffer paths below can cut without the Python code. */
+static int
+rows_inside(IndexObject *self, const Span *sp, uint64_t lo, uint64_t hi)
+{
+    const uint8_t *flags = self->views[A_FLAGS].buf;
+    const uint16_t *fname = self->views[A_NAME].buf;
+    for (uint64_t row = sp->r0; row < sp->r1; row++) {
+        uint64_t off = U64(self, A_OFFSET, row), len = U64(self, A_LENGTH, row);
+        if (flags[row] != 0 || off < lo || off + len > hi || off + len < off
+            || fname[row] >= PyTuple_GET_SIZE(self->names)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The sample whose bytes [lo, ...) are at `data`: its fields checked (`check` unless None), then
+ * cut: a field of at least `min_bytes` bytes as view[voff + o : voff + o + length] (o: its
+ * offset from lo), a smaller one (or any, when `view` is None) as a new bytes object.  Returns
+ * the dict, a ("checksum", row, found) tuple, None (a key that is not UTF-8), or NULL with an
+ * exception set; `on_read` is called with `nbytes` once every field checked out. */
+static PyObject *
+cut_sample(IndexObject *self, const Span *sp, const char *data, uint64_t lo, PyObject *check,
+           PyObject *on_read, ssize_t nbytes, PyObject *view, Py_ssize_t voff,
+           Py_ssize_t min_bytes)
+{
+    const uint16_t *fname = self->views[A_NAME].buf;
+    for (uint64_t row = sp->r0; check != Py_None && row < sp->r1; row++) {
+        PyObject *mv = PyMemoryView_FromMemory((char *)data + (U64(self, A_OFFSET, row) - lo),
+                                               (Py_ssize_t)U64(self, A_LENGTH, row), PyBUF_READ);
+        if (mv == NULL) {
+            return NULL;
+        }
+        unsigned long long found;
+        int ok = check_field(self, check, mv, row, &found);
+        Py_DECREF(mv);
+        if (ok < 0) {
+            return NULL;
+        }
+        if (!ok) {
+            return Py_BuildValue("(sKK)", "checksum", (unsigned long long)row, found);
+        }
+    }
+    if (report_read(on_read, nbytes) < 0) {
+        return NULL;
+    }
+    PyObject *sample = new_sample(self, sp);
+    if (sample == NULL) {
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    }
+    int bad = 0;
+    for (uint64_t row = sp->r0; !bad && row < sp->r1; row++) {
+        Py_ssize_t off = (Py_ssize_t)(U64(self, A_OFFSET, row) - lo);
+        Py_ssize_t len = (Py_ssize_t)U64(self, A_LENGTH, row);
+        PyObject *field;
+        if (view != Py_None && len >= min_bytes) { /* a view of the chunk (shardio.sharedbytes) */
+            PyObject *a = PyLong_FromSsize_t(voff + off), *b = PyLong_FromSsize_t(voff + off + len);
+            PyObject *slice = (a == NULL || b == NULL) ? NULL : PySlice_New(a, b, NULL);
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            field = slice == NULL ? NULL : PyObject_GetItem(view, slice);
+            Py_XDECREF(slice);
+        } else {
+            field = PyBytes_FromStringAndSize(data + off, len);
+        }
+        bad = field == NULL
+              || PyDict_SetItem(sample, PyTuple_GET_ITEM(self->names, fname[row]), field) < 0;
+        Py_XDECREF(field);
+    }
+    if (bad) {
+        Py_DECREF(sample);
+        return NULL;
+    }
+    return sample;
+}
+
 static PyObject *
 index_get_into(IndexObject *self, PyObject *args)
 {
@@ -335,35 +418,23 @@ index_get_into(IndexObject *self, PyObject *args)
     }
     Span sp;
     int plain = span_of(self, i, &sp);
-    if (plain <= 0) {
+    if (plain <= 0 || !rows_inside(self, &sp, (uint64_t)sp.lo, (uint64_t)sp.hi)) {
         return plain < 0 ? NULL : Py_NewRef(Py_None);
-    }
-    uint64_t r0 = sp.r0, r1 = sp.r1;
-    int64_t lo = sp.lo, hi = sp.hi;
-    const uint8_t *flags = self->views[A_FLAGS].buf;
-    const uint16_t *fname = self->views[A_NAME].buf;
-    for (uint64_t row = r0; row < r1; row++) {
-        uint64_t off = U64(self, A_OFFSET, row), len = U64(self, A_LENGTH, row);
-        if (flags[row] != 0 || off < (uint64_t)lo || off + len > (uint64_t)hi || off + len < off
-            || fname[row] >= PyTuple_GET_SIZE(self->names)) {
-            Py_RETURN_NONE;
-        }
     }
     Py_buffer pb;
     if (PyObject_GetBuffer(bufobj, &pb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
-    ssize_t want = (ssize_t)(hi - lo), got = 0;
+    ssize_t want = (ssize_t)(sp.hi - sp.lo), got = 0;
     if (pb.len != want) {
         PyErr_Format(PyExc_ValueError, "buffer of %zd bytes for a span of %zd", pb.len, want);
         goto done;
     }
-    char *base = pb.buf;
     if (want > 0) {
         Py_BEGIN_ALLOW_THREADS
         do {
-            got = pread(fd, base, (size_t)want, (off_t)lo);
+            got = pread(fd, pb.buf, (size_t)want, (off_t)sp.lo);
         } while (got < 0 && errno == EINTR);
         Py_END_ALLOW_THREADS
         if (got < 0) {
@@ -375,58 +446,40 @@ index_get_into(IndexObject *self, PyObject *args)
             goto done;
         }
     }
-    for (uint64_t row = r0; check != Py_None && row < r1; row++) {
-        PyObject *mv = PyMemoryView_FromMemory(base + (U64(self, A_OFFSET, row) - (uint64_t)lo),
-                                               (Py_ssize_t)U64(self, A_LENGTH, row), PyBUF_READ);
-        if (mv == NULL) {
-            goto done;
-        }
-        unsigned long long found;
-        int ok = check_field(self, check, mv, row, &found);
-        Py_DECREF(mv);
-        if (ok < 0) {
-            goto done;
-        }
-        if (!ok) {
-            result = Py_BuildValue("(sKK)", "checksum", (unsigned long long)row, found);
-            goto done;
-        }
-    }
-    if (report_read(on_read, want) < 0) {
-        goto done;
-    }
-    PyObject *sample = new_sample(self, &sp);
-    if (sample == NULL) {
-        if (!PyErr_Occurred()) {
-            result = Py_NewRef(Py_None);
-        }
-        goto done;
-    }
-    int bad = 0;
-    for (uint64_t row = r0; !bad && row < r1; row++) {
-        Py_ssize_t off = (Py_ssize_t)(U64(self, A_OFFSET, row) - (uint64_t)lo);
-        Py_ssize_t len = (Py_ssize_t)U64(self, A_LENGTH, row);
-        PyObject *field;
-        if (len >= min_bytes) { /* a view of the chunk (shardio.sharedbytes) */
-            PyObject *a = PyLong_FromSsize_t(voff + off), *b = PyLong_FromSsize_t(voff + off + len);
-            PyObject *slice = (a == NULL || b == NULL) ? NULL : PySlice_New(a, b, NULL);
-            Py_XDECREF(a);
-            Py_XDECREF(b);
-            field = slice == NULL ? NULL : PyObject_GetItem(view, slice);
-            Py_XDECREF(slice);
-        } else {
-            field = PyBytes_FromStringAndSize(base + off, len);
-        }
-        bad = field == NULL
-              || PyDict_SetItem(sample, PyTuple_GET_ITEM(self->names, fname[row]), field) < 0;
-        Py_XDECREF(field);
-    }
-    if (bad) {
-        Py_XDECREF(sample);
-        goto done;
-    }
-    result = sample;
+    result = cut_sample(self, &sp, pb.buf, (uint64_t)sp.lo, check, on_read, want, view, voff,
+                        min_bytes);
 done:
+    PyBuffer_Release(&pb);
+    return result;
+}
+
+static PyObject *
+index_cut(IndexObject *self, PyObject *args)
+{
+    Py_ssize_t i, voff, min_bytes;
+    long long base;
+    PyObject *bufobj, *view, *check;
+    if (!PyArg_ParseTuple(args, "nOLOnnO", &i, &bufobj, &base, &view, &voff, &min_bytes,
+                          &check)) {
+        return NULL;
+    }
+    Span sp;
+    int plain = span_of(self, i, &sp);
+    if (plain < 0) {
+        return NULL;
+    }
+    Py_buffer pb;
+    if (PyObject_GetBuffer(bufobj, &pb, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    PyObject *result;
+    if (!plain || base < 0
+        || !rows_inside(self, &sp, (uint64_t)base, (uint64_t)base + (uint64_t)pb.len)) {
+        result = Py_NewRef(Py_None);
+    } else {
+        result = cut_sample(self, &sp, pb.buf, (uint64_t)base, check, Py_None, 0, view, voff,
+                            min_bytes);
+    }
     PyBuffer_Release(&pb);
     return result;
 }
@@ -438,6 +491,9 @@ static PyMethodDef index_methods[] = {
     {"get_into", (PyCFunction)index_get_into, METH_VARARGS,
      "get_into(fd, i, buf, view, voff, min_bytes, check, on_read=None) -> dict | tuple | None: "
      "sample i read with one pread into buf (see the module source)."},
+    {"cut", (PyCFunction)index_cut, METH_VARARGS,
+     "cut(i, buf, base, view, voff, min_bytes, check) -> dict | tuple | None: sample i cut from "
+     "shard bytes [base, base + len(buf)) already read (see the module source)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -512,8 +512,19 @@ class ShardReader:
 
     def _decode(self, i: int, base: int, buf: bytes | memoryview, view: Any = None,
                 voff: int = 0) -> dict[str, Any]:
-        idx = self.index
+        """Sample ``i`` from shard bytes ``buf`` read at offset ``base`` (with an arena, ``buf``
+        sits at ``voff`` of its chunk ``view``): checked, and cut into fields."""
         kof, sst, fname, fflags, foff, flen, fraw, fsum, _lo, _hi = self._views()
+        cidx = self._cidx
+        if cidx is not None:
+            # shardio/_sampleio.c; anything else (a compressed field, a checksum that does not
+            # match: the code below raises it with the key and field) goes on in Python.
+            sample = cidx.cut(i, buf, base, view, voff,
+                              self.arena.min_bytes if view is not None else 0,
+                              self._check if self.verify else None)
+            if type(sample) is dict:
+                return sample
+        idx = self.index
         key = idx.key_blob[kof[i] : kof[i + 1]].decode("utf-8")
         sample: dict[str, Any] = {"__key__": key}
         mv = buf if type(buf) is memoryview else memoryview(buf)
