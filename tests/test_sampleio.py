@@ -20,12 +20,15 @@ pytestmark = pytest.mark.skipif(base._SampleIndex is None, reason="shardio._samp
 
 
 class _Counting:
-    """Stands in for a reader's C index: counts the samples it returned (not None)."""
+    """Stands in for a reader's C index: counts the samples ``get`` returned (not None)."""
 
     def __init__(self, cidx: Any) -> None:
         self.cidx = cidx
         self.hits = 0
         self.misses = 0
+
+    def cut(self, *args: Any) -> Any:
+        return self.cidx.cut(*args)
 
     def get(self, fd: int, i: int, check: Any, on_read: Any = None) -> Any:
         sample = self.cidx.get(fd, i, check, on_read)
@@ -55,6 +58,12 @@ def _readers(out: Path) -> list[ShardReader]:
 
 def _python_get(reader: ShardReader, i: int) -> dict[str, Any]:
     lo, hi = reader.index.span(i)
+    return reader._decode_py(i, lo, reader.read_span(lo, hi))
+
+
+def _cut_get(reader: ShardReader, i: int) -> dict[str, Any]:
+    """Sample ``i`` read in Python, cut by C (``Index.cut``, what a run of samples takes)."""
+    lo, hi = reader.index.span(i)
     return reader._decode(i, lo, reader.read_span(lo, hi))
 
 
@@ -74,6 +83,8 @@ def test_same_samples_as_python(tmp_path: Path, fmt: str, compress: str | None) 
             want = _python_get(reader, i)
             assert list(got) == list(want)  # same fields, same order
             assert got == want and all(type(v) is bytes for k, v in got.items() if k != "__key__")
+            cut = _cut_get(reader, i)
+            assert list(cut) == list(want) and cut == want
         hits += counting.hits
         assert counting.hits + counting.misses == len(reader)
     if compress is None:
@@ -97,6 +108,9 @@ def test_flipped_bit_raises_through_python(tmp_path: Path) -> None:
     with pytest.raises(ChecksumMismatchError) as py:
         _python_get(reader, i)
     assert str(ei.value) == str(py.value)  # the same report as the Python read's
+    with pytest.raises(ChecksumMismatchError) as cut:
+        _cut_get(reader, i)
+    assert str(cut.value) == str(py.value)  # Index.cut hands it to the Python code too
     assert reader.get(i + 1) == _python_get(reader, i + 1)  # its neighbours still read
     reader.verify = False  # and without checks, both paths give the damaged bytes
     assert reader.get(i) == _python_get(reader, i)

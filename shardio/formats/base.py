@@ -524,6 +524,12 @@ class ShardReader:
                               self._check if self.verify else None)
             if type(sample) is dict:
                 return sample
+        return self._decode_py(i, base, buf, view, voff)
+
+    def _decode_py(self, i: int, base: int, buf: bytes | memoryview, view: Any = None,
+                   voff: int = 0) -> dict[str, Any]:
+        """:meth:`_decode` in Python: every case, and the typed errors."""
+        kof, sst, fname, fflags, foff, flen, fraw, fsum, _lo, _hi = self._views()
         idx = self.index
         key = idx.key_blob[kof[i] : kof[i + 1]].decode("utf-8")
         sample: dict[str, Any] = {"__key__": key}
