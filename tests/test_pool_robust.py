@@ -248,6 +248,41 @@ def test_a_batch_larger_than_the_ring_is_no_reason_to_make_room(
     assert calls == []
 
 
+class FreedJob:
+    """Each batch says whether the worker had let go of the one before when it began this one
+    (a weak reference to that batch's array, dead or alive)."""
+
+    def __init__(self) -> None:
+        self.last: Any = None
+
+    def begin(self, spec: Any) -> None:
+        pass
+
+    def produce(self, step: int) -> tuple[Any, list[float]]:
+        import weakref
+
+        freed = self.last is None or self.last() is None
+        x = np.full(1 << 16, 1 if freed else 0, np.uint8)
+        self.last = weakref.ref(x)
+        return plan_tree({"x": x}), [0.0] * 6
+
+
+def test_a_worker_lets_go_of_a_batch_once_it_is_written(
+        make_pool: Callable[..., WorkerPool]) -> None:
+    """A worker's heap holds the batch it is making, not the one before as well: the one before
+    is gone (written into the ring) when the next begins."""
+    pool = make_pool(FreedJob())
+    with deadline(30, pool):
+        freed = []
+        for _step, ring, msg in pool.run({}, range(6)):
+            x = read_tree(np.frombuffer(msg.view, np.uint8))["x"]
+            freed.append(int(x[0]))
+            del x
+            if ring is not None:
+                ring.release(msg)
+    assert freed == [1] * 6
+
+
 # --- A: an epoch command never blocks main ---------------------------------------------------
 def test_long_epoch_starts_while_the_worker_is_blocked_in_a_spill(
         make_pool: Callable[..., WorkerPool]) -> None:

@@ -571,7 +571,8 @@ class ShardReader:
             if arena is None:
                 sample = cidx.get(fd, i, check, self.on_read)
             else:
-                lo, hi = self._mv[8][i], self._mv[9][i]  # type: ignore[index]
+                v = self._views()
+                lo, hi = v[8][i], v[9][i]
                 sample = None
                 if hi > lo:
                     view, voff, mv = arena.take(hi - lo)
