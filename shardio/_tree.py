@@ -4,15 +4,23 @@ A batch is a tree of dicts, lists and tuples whose leaves are arrays (numpy arra
 tensors), numbers, strings, bytes or ``None``.  Message layout (all offsets from the message
 start, array payloads 64-byte aligned so they can be viewed in place)::
 
-    0    header  <I kind> <I n_arrays> <q step> <I meta_len> <I generation> <6d stage seconds>
-    72   table   n_arrays x <Q offset> <Q nbytes>
-    ...  meta    pickle of the skeleton: the tree with every array replaced by ``_Arr(i, dtype,
-                 shape, tensor)``; everything else is small and pickled in-band
+    0    header  <I kind> <I n_arrays> <q step> <I meta_len> <I generation> <Q table_off>
+                 <6d stage seconds>
+    T    table   n_arrays x <Q offset> <Q nbytes>, at T = table_off
+    ...  meta    pickle of the skeleton, right after the table: the tree with every array
+                 replaced by ``_Arr(i, dtype, shape, tensor)``; everything else is small and
+                 pickled in-band
     ...  arrays  raw bytes of array i at table[i].offset
+
+Usually the table follows the header and the arrays follow the meta.  A message whose worker read
+its samples straight into it (an *area*: see :class:`Area` and ``shardio.loader``) has the area
+right after the header, its other arrays after the area, and the table and meta last, since
+they are known only once the samples have been read and collated.
 
 Two ways to fill a message: :func:`plan_tree` for a tree already built by a user's
 ``collate_fn`` (one copy of each array into the message), and :func:`plan_collate`, the default
 collate, which stacks per-sample arrays straight into the message (the only copy there is).
+With an area, arrays that already lie in it are not copied at all: the table points at them.
 The reader side (:func:`read_tree`) rebuilds the skeleton with arrays that view the message.
 """
 
@@ -25,6 +33,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from ._atomics import buffer_offset
+
+try:
+    from ._sampleio import field_rows
+except ImportError:  # not built: the Python loop in _pieces
+    field_rows = None
 
 __all__ = [
     "KIND_BATCH",
@@ -45,7 +60,7 @@ KIND_ERROR = 2
 # An error message (same payload as KIND_ERROR) from the pool itself, not from user code: a
 # worker could not allocate its ring's memory (see "Ring sizing" in shardio.pool).
 KIND_RING_SPACE = 3
-_HEAD = struct.Struct("<IIqII6d")
+_HEAD = struct.Struct("<IIqIIQ6d")
 _TIMES = struct.Struct("<6d")
 ALIGN = 64
 STAGES = ("read", "decode", "transform", "collate", "write", "total")
@@ -58,6 +73,17 @@ class _Arr(NamedTuple):
     tensor: bool
 
 
+class _Pieces(NamedTuple):
+    """A collated column of byte fields that are arrays (``zero_copy``): each one either a slice
+    of the message's area (array ``area``, where the worker read it: no copy) or of ``extra``
+    (the others, copied in); ``where`` is an int64 array of ``(source, start, end)`` rows,
+    source 0 for the area and 1 for ``extra``; -1 for an index means no such array."""
+
+    area: int
+    extra: int
+    where: int
+
+
 class _Bytes(NamedTuple):
     """A collated column of ``bytes``: one uint8 payload array plus int64 boundaries, written
     out of band like arrays (pickling megabytes of payload in-band would copy it twice)."""
@@ -66,8 +92,8 @@ class _Bytes(NamedTuple):
     bounds: int
 
 
-def _put_bytes(items: Sequence[bytes]) -> Callable[[np.ndarray], None]:
-    def fill(dst: np.ndarray, items: Sequence[bytes] = items) -> None:
+def _put_bytes(items: Sequence[Any]) -> Callable[[np.ndarray], None]:
+    def fill(dst: np.ndarray, items: Sequence[Any] = items) -> None:
         view = memoryview(dst)
         pos = 0
         for x in items:
@@ -86,43 +112,123 @@ def _is_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "numpy")
 
 
+try:  # NumPy 2 moved it
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # pragma: no cover - NumPy 1.x
+    _byte_bounds = np.byte_bounds
+
+
+class Area:
+    """Memory a message is being built in before its size is known: ``buf`` (a writable
+    buffer: a ring reservation) holds, from ``start``, bytes read into it (see
+    ``shardio.loader``).  Arrays lying inside ``buf[start:start + used]`` are put in the
+    message where they are rather than copied."""
+
+    def __init__(self, buf: Any, start: int) -> None:
+        self.buf = buf
+        self.array = np.frombuffer(buf, dtype=np.uint8)
+        self.array.flags.writeable = False  # fields are cut from it (read-only, as zero_copy's)
+        self.addr = self.array.ctypes.data
+        self.start = start
+        self.used = 0
+
+    def field_offset(self, x: np.ndarray) -> int | None:
+        """Message offset of ``x`` when it is a contiguous slice cut from the area (the reader's
+        fields are), else None: the fast test of the default collate's columns."""
+        if x.base is not self.array or not x.flags.c_contiguous or not x.size:
+            return None
+        return buffer_offset(x, self.array)
+
+    def offset_of(self, arr: np.ndarray) -> int | None:
+        """Message offset of ``arr``'s bytes when they lie inside the used area (C-contiguous,
+        not empty), else None."""
+        off = self.field_offset(arr)
+        if off is not None:
+            return off
+        if arr.size == 0 or not arr.flags.c_contiguous:
+            return None
+        off = arr.__array_interface__["data"][0] - self.addr
+        if self.start <= off and off + arr.nbytes <= self.start + self.used:
+            return off
+        return None
+
+    def overlaps(self, arr: np.ndarray) -> bool:
+        """Whether any byte ``arr`` spans lies in the area (a copy from it would read it)."""
+        if arr.size == 0:
+            return False
+        lo, hi = _byte_bounds(arr)
+        return lo < self.addr + self.start + self.used and hi > self.addr + self.start
+
+
 @dataclass
 class Plan:
-    """A message ready to be written: sizes known, arrays filled by ``fills``."""
+    """A message ready to be written: sizes known, arrays filled by ``fills``.
+
+    ``placed`` maps arrays that already lie in the message (in its area) to their offsets; they
+    have no fill (None).  ``area_end`` is where the area ends (arrays not placed go after it):
+    0 for a message without one.  ``claim`` is the worker-side hold on the memory the area is in
+    (see ``shardio.pool``); ``size_hint`` the size this worker's later messages may reach, when
+    larger than this one (ring sizing); ``field_bytes`` the bytes of sample fields that the
+    batch carries as the reader cut them (``zero_copy``'s arrays, not its small ``bytes``)."""
 
     meta: bytes
     shapes: list[tuple[np.dtype, tuple[int, ...]]]
-    fills: list[Callable[[np.ndarray], None]]
+    fills: list[Callable[[np.ndarray], None] | None]
+    placed: dict[int, int] | None = None
+    area_end: int = 0
+    claim: Any = None
+    size_hint: int = 0
+    field_bytes: int = 0
+
+    def layout(self) -> tuple[list[tuple[int, int]], int, int]:
+        """``(table, table_off, nbytes)``: each array's ``(offset, nbytes)``, where the table
+        goes, and the message size."""
+        n = len(self.shapes)
+        sizes = [int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                 for dtype, shape in self.shapes]
+        out = []
+        if not self.area_end:
+            table_off = _HEAD.size
+            pos = _align(table_off + 16 * n + len(self.meta))
+            for size in sizes:
+                out.append((pos, size))
+                pos = _align(pos + size)
+            end = out[-1][0] + out[-1][1] if out else table_off + 16 * n + len(self.meta)
+            return out, table_off, end
+        placed = self.placed or {}
+        pos = _align(self.area_end)
+        for i, size in enumerate(sizes):
+            off = placed.get(i)
+            if off is None:
+                off = pos
+                pos = _align(pos + size)
+            out.append((off, size))
+        return out, pos, pos + 16 * n + len(self.meta)
 
     @property
     def table_offsets(self) -> list[tuple[int, int]]:
-        pos = _align(_HEAD.size + 16 * len(self.shapes) + len(self.meta))
-        out = []
-        for dtype, shape in self.shapes:
-            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            out.append((pos, n))
-            pos = _align(pos + n)
-        return out
+        return self.layout()[0]
 
     @property
     def nbytes(self) -> int:
-        t = self.table_offsets
-        return t[-1][0] + t[-1][1] if t else _HEAD.size + len(self.meta)
+        return self.layout()[2]
 
     def write(self, buf: memoryview, step: int, times: Sequence[float], *,
               kind: int = KIND_BATCH, generation: int = 0) -> None:
-        """Write header, table, meta and arrays into ``buf`` (at least :attr:`nbytes` long)."""
-        table = self.table_offsets
+        """Write header, table, meta and arrays into ``buf`` (at least :attr:`nbytes` long);
+        placed arrays are there already."""
+        table, table_off, _end = self.layout()
         _HEAD.pack_into(buf, 0, kind, len(table), step, len(self.meta), generation & 0xFFFFFFFF,
-                        *_times(times))
-        pos = _HEAD.size
+                        table_off, *_times(times))
+        pos = table_off
         for off, n in table:
             struct.pack_into("<QQ", buf, pos, off, n)
             pos += 16
         buf[pos : pos + len(self.meta)] = self.meta
         raw = np.frombuffer(buf, dtype=np.uint8)
         for (off, n), (dtype, shape), fill in zip(table, self.shapes, self.fills):
-            fill(raw[off : off + n].view(dtype).reshape(shape))
+            if fill is not None:
+                fill(raw[off : off + n].view(dtype).reshape(shape))
 
 
 def _times(times: Sequence[float]) -> list[float]:
@@ -150,11 +256,19 @@ def _stack_into(arrs: list[np.ndarray]) -> Callable[[np.ndarray], None]:
 # keep every sample array of the batch alive until the cyclic GC happened to run (workers grew by
 # about one batch per step until a full collection).
 class _Acc:
-    __slots__ = ("fills", "shapes")
+    __slots__ = ("area", "area_index", "field_bytes", "fills", "is_field", "placed", "shapes",
+                 "touched")
 
-    def __init__(self) -> None:
+    def __init__(self, area: Area | None = None,
+                 is_field: Callable[[Any], bool] | None = None) -> None:
         self.shapes: list[tuple[np.dtype, tuple[int, ...]]] = []
-        self.fills: list[Callable[[np.ndarray], None]] = []
+        self.fills: list[Callable[[np.ndarray], None] | None] = []
+        self.area = area
+        self.placed: dict[int, int] = {}
+        self.area_index = -1  # the array that is the whole used area (for _Pieces columns)
+        self.touched = False  # a fill copies from the area: it must stay where it is
+        self.field_bytes = 0  # see Plan.field_bytes
+        self.is_field = is_field  # see plan_collate
 
     def add(self, dtype: np.dtype, shape: tuple[int, ...], fill: Callable[[np.ndarray], None],
             tensor: bool) -> _Arr:
@@ -162,9 +276,42 @@ class _Acc:
         self.fills.append(fill)
         return _Arr(len(self.shapes) - 1, dtype.str, shape, tensor)
 
+    def add_array(self, arr: np.ndarray, tensor: bool) -> _Arr:
+        """Array ``arr`` (contiguous, no objects) as a message array: referenced where it is
+        when it lies in the area, else copied in."""
+        area = self.area
+        if self.is_field is not None and self.is_field(arr):
+            self.field_bytes += arr.nbytes
+        if area is not None:
+            off = area.offset_of(arr)
+            if off is not None:
+                self.field_bytes += arr.nbytes
+                self.shapes.append((arr.dtype, arr.shape))
+                self.fills.append(None)
+                self.placed[len(self.shapes) - 1] = off
+                return _Arr(len(self.shapes) - 1, arr.dtype.str, arr.shape, tensor)
+            if area.overlaps(arr):
+                self.touched = True
+        return self.add(arr.dtype, arr.shape, _copy_from(arr), tensor)
+
+    def whole_area(self) -> int:
+        """Index of the array that is the whole used area (added once)."""
+        if self.area_index < 0:
+            area = self.area
+            assert area is not None
+            self.shapes.append((np.dtype(np.uint8), (area.used,)))
+            self.fills.append(None)
+            self.placed[len(self.shapes) - 1] = area.start
+            self.area_index = len(self.shapes) - 1
+        return self.area_index
+
     def plan(self, skeleton: Any) -> Plan:
-        return Plan(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), self.shapes,
-                    self.fills)
+        meta = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+        area = self.area
+        if area is None or not (self.placed or self.touched):
+            return Plan(meta, self.shapes, self.fills, field_bytes=self.field_bytes)
+        return Plan(meta, self.shapes, self.fills, dict(self.placed), area.start + area.used,
+                    field_bytes=self.field_bytes)
 
 
 def _leaf(x: Any, acc: _Acc) -> Any:
@@ -173,7 +320,7 @@ def _leaf(x: Any, acc: _Acc) -> Any:
         arr = np.ascontiguousarray(x.detach().cpu().numpy() if tensor else x)
         if arr.dtype.hasobject:
             return arr
-        return acc.add(arr.dtype, arr.shape, _copy_from(arr), tensor)
+        return acc.add_array(arr, tensor)
     if isinstance(x, dict):
         return {k: _leaf(v, acc) for k, v in x.items()}
     if isinstance(x, list):
@@ -196,20 +343,91 @@ def _kind_of(x: Any) -> str | None:
     return "f" if isinstance(x, (float, np.floating)) else None
 
 
-def plan_tree(tree: Any) -> Plan:
-    """Plan a message for a tree built by the user's collate function."""
-    acc = _Acc()
+def plan_tree(tree: Any, area: Area | None = None,
+              is_field: Callable[[Any], bool] | None = None) -> Plan:
+    """Plan a message for a tree built by the user's collate function (arrays lying in
+    ``area`` are referenced where they are; ``is_field`` as for :func:`plan_collate`)."""
+    acc = _Acc(area, is_field)
     return acc.plan(_leaf(tree, acc))
+
+
+def _is_field(x: Any, acc: _Acc) -> bool:
+    """Whether ``x`` is a byte field the reader cut from the area or from an arena: a 1-d uint8
+    array (``zero_copy``)."""
+    if type(x) is not np.ndarray:
+        return False
+    area = acc.area
+    if area is not None and x.base is area.array:
+        return x.ndim == 1 and x.dtype == np.uint8 and x.flags.c_contiguous
+    return (acc.is_field is not None and x.ndim == 1 and x.dtype == np.uint8
+            and not x.flags.writeable and acc.is_field(x))
+
+
+def _fields(items: Sequence[Any], acc: _Acc) -> bool:
+    """Whether ``items`` is a column of byte fields with at least one array field among them
+    (fields under ``zero_copy`` are arrays from 4 KiB up, ``bytes`` below)."""
+    seen = False
+    for x in items:
+        if type(x) is bytes:
+            continue
+        if not _is_field(x, acc):
+            return False
+        seen = True
+    return seen
+
+
+def _pieces(items: Sequence[np.ndarray | bytes], acc: _Acc) -> _Pieces:
+    """A column of byte fields (see :class:`_Pieces`): those in the area stay there, the others
+    (arrays or ``bytes``) are copied into one array, as a column of ``bytes`` is."""
+    area = acc.area
+    where = np.empty((len(items), 3), dtype=np.int64)
+    rows = []
+    others: list[np.ndarray] = []
+    pos = 0
+    start = area.start if area is not None else 0
+    for x in items:
+        if type(x) is bytes:
+            off, n = None, len(x)
+        else:
+            off = area.field_offset(x) if area is not None else None
+            n = x.nbytes
+        if off is not None:
+            rows.append((0, off - start, off - start + n))
+        else:
+            rows.append((1, pos, pos + n))
+            others.append(x)
+            pos += n
+    where[:] = rows
+    acc.field_bytes += sum(x.nbytes for x in items if type(x) is not bytes)
+    a = acc.whole_area() if len(others) < len(items) else -1
+    u8 = np.dtype(np.uint8)
+    e = acc.add(u8, (pos,), _put_bytes(others), False).index if others else -1
+    return _Pieces(a, e, acc.add(where.dtype, where.shape, _copy_from(where), False).index)
 
 
 def _col(items: Sequence[Any], acc: _Acc) -> Any:
     first = items[0]
+    area = acc.area
+    if type(first) is np.ndarray:
+        if area is not None and field_rows is not None and first.base is area.array:
+            where = np.empty((len(items), 3), dtype=np.int64)
+            if field_rows(list(items), area.array, area.start, area.start + area.used, where):
+                # Every item lies in the area (the usual column of a batch read into its ring).
+                acc.field_bytes += int((where[:, 2] - where[:, 1]).sum())
+                return _Pieces(acc.whole_area(), -1, acc.add(
+                    where.dtype, where.shape, _copy_from(where), False).index)
+    if (type(first) is np.ndarray or type(first) is bytes) and _fields(items, acc):
+        return _pieces(items, acc)
     if _is_tensor(first) or isinstance(first, np.ndarray):
+        if not all(_is_tensor(x) or isinstance(x, np.ndarray) for x in items):
+            return list(items)  # arrays mixed with other things: a list, as default_collate
         arrs = [x.detach().cpu().numpy() if _is_tensor(x) else x for x in items]
         a0 = arrs[0]
         if not a0.dtype.hasobject and all(
             a.shape == a0.shape and a.dtype == a0.dtype for a in arrs
         ):
+            if acc.area is not None and any(acc.area.overlaps(a) for a in arrs):
+                acc.touched = True
             return acc.add(a0.dtype, (len(arrs), *a0.shape), _stack_into(arrs), True)
         return list(items)
     if isinstance(first, _NUMBER):
@@ -238,15 +456,18 @@ def _col(items: Sequence[Any], acc: _Acc) -> Any:
     return list(items)
 
 
-def plan_collate(samples: Sequence[Any]) -> Plan:
+def plan_collate(samples: Sequence[Any], area: Area | None = None,
+                 is_field: Callable[[Any], bool] | None = None) -> Plan:
     """Default collate, like torch's ``default_collate`` but writing into the message.
 
     Per-sample arrays/tensors of one shape and dtype are stacked into one batch tensor (written
     directly into the message), numbers become a float64 tensor if any item is a float, else
     int64 if any is an integer, else bool; dicts and sequences are collated field by field,
-    strings and bytes become lists.
+    strings and bytes become lists.  Byte fields that are arrays (``zero_copy``: those cut from
+    ``area``, or for which ``is_field`` says so) become a list of such arrays, as a column of
+    ``bytes`` does; those lying in ``area`` are referenced where they are, not copied.
     """
-    acc = _Acc()
+    acc = _Acc(area, is_field)
     return acc.plan(_col(list(samples), acc))
 
 
@@ -257,7 +478,7 @@ def write_times(buf: Any, times: Sequence[float]) -> None:
 
 def read_header(buf: Any) -> tuple[int, int, dict[str, float], int]:
     """``(kind, step, stage_seconds, generation)`` of a message."""
-    kind, _n, step, _m, gen, *times = _HEAD.unpack_from(buf, 0)
+    kind, _n, step, _m, gen, _t, *times = _HEAD.unpack_from(buf, 0)
     return kind, step, dict(zip(STAGES, times)), gen
 
 
@@ -279,9 +500,9 @@ def read_tree(buf: np.ndarray, to_tensor: Callable[[np.ndarray], Any] | None = N
             and the plain ``ndarray`` arrays and columns whose base is a view of ``buf`` of
             another type, are where numpy stops collapsing a chain of views.
     """
-    _kind, n, _step, mlen, _p, *_t = _HEAD.unpack_from(buf, 0)
-    table = [struct.unpack_from("<QQ", buf, _HEAD.size + 16 * i) for i in range(n)]
-    mstart = _HEAD.size + 16 * n
+    _kind, n, _step, mlen, _p, table_off, *_t = _HEAD.unpack_from(buf, 0)
+    table = [struct.unpack_from("<QQ", buf, table_off + 16 * i) for i in range(n)]
+    mstart = table_off + 16 * n
     skeleton = pickle.loads(buf[mstart : mstart + mlen].tobytes())
     return _build(skeleton, buf, table, to_tensor, _How(bytes_as_views, copy, on_field))
 
@@ -309,19 +530,14 @@ def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
         if how.on_field is not None:
             how.on_field(arr, off, nbytes)
         return to_tensor(arr) if tensor else arr  # type: ignore[misc]
+    if isinstance(x, _Pieces):
+        return _build_pieces(x, buf, table, how)
     if isinstance(x, _Bytes):
         off, nbytes = table[x.data]
         boff, bbytes = table[x.bounds]
         bounds = buf[boff : boff + bbytes].view(np.int64).tolist()
         if how.views:
-            # Plain ndarrays (a subclass instance would be tracked by the cyclic GC), read-only;
-            # their base chain holds ``buf``, and with it the message's place in the ring.
-            col = buf[off : off + nbytes].view(np.ndarray)
-            if how.copy:
-                col = col.copy()
-            col.flags.writeable = False
-            if how.on_field is not None:
-                how.on_field(col, off, nbytes)
+            col = _column(buf, off, nbytes, how)
             return [col[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         data = memoryview(buf[off : off + nbytes])
         return [bytes(data[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -332,6 +548,39 @@ def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
     if isinstance(x, tuple) and not hasattr(x, "_fields"):
         return tuple(_build(v, buf, table, to_tensor, how) for v in x)
     return x
+
+
+def _column(buf: np.ndarray, off: int, nbytes: int, how: _How) -> np.ndarray:
+    """A column of byte fields as a read-only plain ndarray (a subclass instance would be
+    tracked by the cyclic GC) viewing ``buf``: its base chain holds ``buf``, and with it the
+    message's place in the ring (a copy with ``how.copy``)."""
+    col = buf[off : off + nbytes].view(np.ndarray)
+    if how.copy:
+        col = col.copy()
+    col.flags.writeable = False
+    if how.on_field is not None:
+        how.on_field(col, off, nbytes)
+    return col
+
+
+def _build_pieces(x: _Pieces, buf: np.ndarray, table: list[tuple[int, int]],
+                  how: _How) -> list[Any]:
+    where = buf[slice(*_span(table[x.where]))].view(np.int64).reshape(-1, 3).tolist()
+    cols = []
+    for index in (x.area, x.extra):
+        if index < 0:
+            cols.append(None)
+            continue
+        off, nbytes = table[index]
+        cols.append(_column(buf, off, nbytes, how) if how.views
+                    else memoryview(buf[off : off + nbytes]))
+    if not how.views:
+        return [bytes(cols[src][a:b]) for src, a, b in where]  # type: ignore[index]
+    return [cols[src][a:b] for src, a, b in where]  # type: ignore[index]
+
+
+def _span(entry: tuple[int, int]) -> tuple[int, int]:
+    return entry[0], entry[0] + entry[1]
 
 
 def error_message(exc: BaseException, tb: str) -> Plan:

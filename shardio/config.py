@@ -251,8 +251,10 @@ class ReadOptions:
             shared-memory descriptor instead of being pickled through a pipe (small tensors of
             the batch travel in the message; :mod:`shardio.sharedbytes`).  Under
             ``ShardLoader`` (whose workers write batches into shared-memory rings anyway), the
-            default collate's columns of ``bytes`` reach the training loop as read-only
-            ``uint8`` arrays viewing the ring instead of being copied out of it.
+            workers read samples straight into the ring message, the transform gets the same
+            kind of arrays, and the default collate's columns of byte fields reach the
+            training loop as read-only ``uint8`` arrays viewing the ring instead of being
+            copied (:mod:`shardio.loader`).
     """
 
     shuffle: bool = True

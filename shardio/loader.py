@@ -10,6 +10,14 @@ space in order and a kept batch would otherwise stop it.  If the user keeps so m
 that a ring would fill (or needs many such moves in an epoch), new batches are copied out of the
 ring, or reach main through the worker's spill pipe when the ring is full anyway (see
 :mod:`shardio.pool`), with one warning, instead of deadlocking or overwriting.
+
+With ``zero_copy=True`` (and no built-in ``decode``) a worker reads each batch's samples
+straight into its ring: it reserves the batch's read bytes plus room for the rest before it
+reads (``WorkerPool``'s *Reading into the ring*), the reader cuts fields out of that memory
+(read-only ``uint8`` arrays, as under DataLoader), and the default collate's column of such
+fields points at them instead of copying them (``_tree.Area``).  What does not fit, or a batch
+whose ring has no room right now, is read into the worker's private arena and copied into the
+message as before.
 """
 
 from __future__ import annotations
@@ -29,12 +37,13 @@ import numpy as np
 import torch
 
 from ._fsutil import atomic_write_bytes
-from ._tree import plan_collate, plan_tree, read_header, read_tree
+from ._tree import ALIGN, Area, Plan, plan_collate, plan_tree, read_header, read_tree
 from .config import LoaderOptions
 from .dataset import ShardDataset, repeat_for_skipped
 from .errors import ShmSpaceError, UsageError, WorkerCrashedError
 from .order import RankPlan
-from .pool import PoolOptions, WorkerPool
+from .pool import Claim, PoolOptions, WorkerPool
+from .sharedbytes import CHUNK_BYTES, Arena, is_arena_field
 from .stats import LoaderStats
 from .topology import discover_cpus
 
@@ -55,6 +64,31 @@ _ONE_THREAD = [0]  # pid of the process whose torch was set to one intra-op thre
 # are copied out of the ring instead (see _make_room).
 _MAX_DETACH_EVENTS = 8
 _MAX_RETIRED_MAPPINGS = 32
+# Where a batch read into its ring message starts (after the message header) and the room
+# first claimed for what the batch adds to its samples (labels, keys, the table); the job
+# learns the real figure from its batches.
+_AREA_START = 128
+_TAIL_MIN = 16 << 10
+_TAIL_FIRST = 256 << 10
+
+
+class _ClaimArena:
+    """The reader's arena while a batch is read into its ring reservation: room in ``area`` up
+    to ``limit``, then the worker's private arena."""
+
+    __slots__ = ("area", "limit", "min_bytes", "private")
+
+    def __init__(self, area: Area, limit: int, private: Arena) -> None:
+        self.area, self.limit, self.private = area, limit, private
+        self.min_bytes = private.min_bytes
+
+    def take(self, n: int) -> tuple[np.ndarray, int, memoryview]:
+        a = self.area
+        off = a.start + a.used
+        if 0 < n and off + n <= self.limit:
+            a.used = ((off + n + ALIGN - 1) & ~(ALIGN - 1)) - a.start
+            return a.array, off, a.buf[off:off + n]
+        return self.private.take(n)
 
 
 class _Job:
@@ -67,6 +101,17 @@ class _Job:
         self.plan: RankPlan | None = None
         self.cursor = 0
         self.spare: dict[str, Any] | None = None  # last sample read (see repeat_for_skipped)
+        self.claim: Callable[[int], Claim | None] | None = None  # see bind_output
+        self.private: Arena | None = None  # zero_copy reads that are not into the ring
+        self.tail = _TAIL_FIRST  # room claimed beyond a batch's read bytes (learned)
+        # Whether the last batch carried sample fields as they were read (only then is reading
+        # into the ring worth its room: a transform that decodes them does not).
+        self.through = True
+
+    def bind_output(self, claim: Callable[[int], Claim | None]) -> None:
+        """Called by the pool in each worker: ``claim(nbytes)`` reserves ring memory to build
+        the next batch in (see *Reading into the ring* in :mod:`shardio.pool`)."""
+        self.claim = claim
 
     def begin(self, spec: dict[str, Any]) -> None:
         # Everything comes from ``spec``: the dataset's epoch and cursor live in memory shared
@@ -78,8 +123,11 @@ class _Job:
             # of one thread per core would oversubscribe the CPUs (and OpenMP threads spin).
             torch.set_num_threads(1)
             _ONE_THREAD[0] = os.getpid()
-        # The ring already carries batches without pickling them: fields stay plain bytes.
-        ds.reader.set_arena(None)
+        # The ring carries batches without pickling them: no shared chunks here.  zero_copy
+        # fields are read into the ring (produce) or, failing that, into private memory.
+        if o.zero_copy and self.private is None:
+            self.private = Arena(chunk_bytes=max(CHUNK_BYTES, o.read_block), shared=False)
+        ds.reader.set_arena(self.private if o.zero_copy else None)
         self.cursor = spec["cursor"]
         if spec.get("node_order"):
             ds._node_order = tuple(spec["node_order"])
@@ -105,14 +153,51 @@ class _Job:
         if ds.options.prefetch_shards and nxt < plan.num_batches:
             self.ahead = (nxt, ds._step_ids(self.order, plan, self.cursor, nxt))
             ds._advise(self.ahead[1])
-        raw = list(ds.reader.read_ids(ids))
-        if ds.options.on_corrupt == "skip" and raw:
-            self.spare = raw[-1]
-        while len(raw) < len(ids):  # skipped (on_corrupt="skip"): the batch stays full
-            self.spare = repeat_for_skipped(ds.reader, ids, self.spare)
-            raw.append(self.spare)
+        o = ds.options
+        need = None
+        if self.claim is not None and o.zero_copy and not o.decode and self.through:
+            need = ds.reader.read_bytes(ids)
+        claim = None if need is None else self.claim(_AREA_START + need + self.tail)
+        if claim is None:
+            out, times = self._make(ids, t0, None)
+            if need is not None:
+                out.size_hint = _AREA_START + need + self.tail
+            return out, times
+        try:
+            out, times = self._make(ids, t0, claim)
+        except BaseException:
+            claim.abort()
+            raise
+        if out.claim is None:  # it did not fit: made again without the claim
+            del out
+            claim.drop()
+            return self._make(ids, t0, None)
+        return out, times
+
+    def _make(self, ids: np.ndarray, t0: float, claim: Claim | None) -> tuple[Plan, list[float]]:
+        """The batch of ``ids``: read (into ``claim``'s memory when there is one), decoded,
+        transformed and collated.  With a claim, ``plan.claim`` is None when the batch does not
+        fit in it (nothing of it may then be used)."""
+        ds = self.dataset
+        o = ds.options
+        area = None
+        if claim is not None:
+            assert claim.buf is not None and self.private is not None
+            area = Area(claim.buf, _AREA_START)
+            ds.reader.set_arena(_ClaimArena(area, len(claim.buf) - self.tail, self.private))
+        try:
+            raw = list(ds.reader.read_ids(ids))
+            if o.on_corrupt == "skip" and raw:
+                self.spare = raw[-1]
+            while len(raw) < len(ids):  # skipped (on_corrupt="skip"): the batch stays full
+                self.spare = repeat_for_skipped(ds.reader, ids, self.spare)
+                raw.append(self.spare)
+            if area is not None and self.spare is not None:
+                self.spare = self._own(self.spare)  # it outlives the batch: not in the ring
+        finally:
+            if area is not None:
+                ds.reader.set_arena(self.private)
         t1 = time.perf_counter()
-        o = self.dataset.options
         if o.decode:
             from .decode import decode_sample
 
@@ -121,10 +206,39 @@ class _Job:
         t2 = time.perf_counter()
         tf = self.dataset.transform
         samples = [tf(s) for s in raw] if tf is not None else raw
+        del raw
         t3 = time.perf_counter()
-        plan = plan_tree(self.collate_fn(samples)) if self.collate_fn else plan_collate(samples)
+        is_field = is_arena_field if o.zero_copy else None
+        out = (plan_tree(self.collate_fn(samples), area, is_field) if self.collate_fn
+               else plan_collate(samples, area, is_field))
+        del samples
         t4 = time.perf_counter()
-        return plan, [t1 - t0, t2 - t1, t3 - t2, t4 - t3, 0.0, t4 - t0]
+        self.through = out.field_bytes > 0
+        # Learn the room the rest of a batch takes beside its fields (with a margin).
+        if out.area_end:
+            self.tail = int((out.nbytes - out.area_end) * 1.5) + _TAIL_MIN
+        elif self.through and claim is None:
+            self.tail = int((out.nbytes - out.field_bytes) * 1.5) + _TAIL_MIN
+        if claim is not None and area is not None:
+            assert claim.buf is not None
+            claim.area = (area.start, area.used)
+            claim.watch = weakref.ref(area.array)
+            if out.nbytes <= len(claim.buf):
+                out.claim = claim
+        return out, [t1 - t0, t2 - t1, t3 - t2, t4 - t3, 0.0, t4 - t0]
+
+    def _own(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """``sample`` with its fields copied out of the ring message it was read into (it is
+        kept beyond its batch: see repeat_for_skipped)."""
+        assert self.private is not None
+        out = {}
+        for k, v in sample.items():
+            if type(v) is np.ndarray:
+                view, off, mv = self.private.take(v.nbytes)
+                mv[:] = memoryview(v)
+                v = view[off:off + v.nbytes]
+            out[k] = v
+        return out
 
 
 class ShardLoader:

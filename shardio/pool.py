@@ -74,6 +74,22 @@ Ring sizing
     goes on without a ring; main never drops that message, whatever its epoch, and closes the
     pool and raises it.  A ``ShmSpaceError`` raised by user code is an ordinary worker error.
 
+Reading into the ring
+    A job may build a batch in ring memory from the start (the loader's ``zero_copy`` reads:
+    samples are read straight into the message, and the collated batch points at them rather
+    than copying them).  A job with a ``bind_output`` method is given :meth:`_Output.claim`
+    once per worker process: ``claim(nbytes)`` reserves that much of the ring without waiting
+    (None when the ring has no room now, has no ring yet, is spilling, or after the worker
+    found the job's user code keeping views of a sent message), and the plan the job returns
+    carries the :class:`Claim`.  ``deliver`` then writes the rest of the message around what is
+    there and commits only the bytes the message takes.  A plan with no array in the claimed
+    area is written from the start of the reservation over it (or, larger than the
+    reservation, the reservation is dropped and the batch goes the usual way).  Before a
+    message with an area is sent, the worker checks that nothing else in it still views the
+    area (a user transform that kept a field): if something does, those pages are made private
+    in the worker (``Ring.keep_written``), so the view keeps its bytes while the ring goes
+    round, and the worker claims no more (warned once).
+
 Failure handling
     A worker exception travels back as a :data:`~shardio._tree.KIND_ERROR` message and is raised
     in main as :class:`~shardio.errors.WorkerError` with the worker's traceback.  A worker that dies
@@ -389,6 +405,7 @@ class _Output:
         self.index, self.poll, self.parent = index, poll, parent
         self.spilling = False
         self.reported = False  # a size report went out (see *Ring sizing*)
+        self.claims = True  # see *Reading into the ring*
 
     def attach(self, fd: int, directory: str | None) -> bool:
         """Take the ring main sent (``Cmd.RING``) as this worker's; a second one is ignored.
@@ -401,10 +418,12 @@ class _Output:
                 except ShmSpaceError as exc:
                     self.report_space(exc)
                     return False
+                ring.fd, fd = fd, -1  # kept: Ring.keep_written maps the ring again through it
                 self.adopt(ring)
             return True
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     def inherit(self, ring: Ring) -> None:
         """Take the ring inherited through fork (a restart): allocate its pages first where
@@ -413,10 +432,10 @@ class _Output:
             if ring.fd is not None:
                 ring.reserve_pages()
         except ShmSpaceError as exc:
+            ring.close_fd()  # this process's copy of main's descriptor
             self.report_space(exc)
             return
-        finally:
-            ring.close_fd()  # this process's copy of main's descriptor
+        # The descriptor stays open here: Ring.keep_written maps the ring again through it.
         self.adopt(ring)
 
     def adopt(self, ring: Ring) -> None:
@@ -448,6 +467,66 @@ class _Output:
             return cmd
         return None if self.attach(cmd[1], cmd[2]) else _NO_RING
 
+    def claim(self, nbytes: int) -> Claim | None:
+        """Reserve ``nbytes`` of the ring now, for a job to build its next message in (see
+        *Reading into the ring*); None when that cannot be done without waiting."""
+        ring = self.ring
+        if ring is None or self.spilling or not self.claims or nbytes > ring.max_message:
+            return None
+        try:
+            buf = ring.reserve(nbytes, timeout=0.0)
+        except (RingTimeoutError, RingClosedError):
+            return None
+        mm, offset = ring.reserved_at()
+        return Claim(buf, mm, offset, self)
+
+    def _deliver_claimed(self, plan: Plan, claim: Claim, step: int, times: list[float],
+                         generation: int, kind: int) -> Sent | None:
+        """Send a message built in ``claim`` (see *Reading into the ring*); None when the
+        claim was dropped and the message must go the usual way."""
+        ring = self.ring
+        assert ring is not None
+        buf, claim.buf = claim.buf, None
+        if self.gen.value != generation:
+            ring.abort()
+            return Sent.ABANDONED
+        nbytes = plan.nbytes
+        if not plan.area_end:  # nothing of the batch lies in the area: written over it
+            if claim.viewed():
+                self._keep(claim)
+                ring.abort()
+                return None
+            if nbytes > len(buf):
+                ring.abort()
+                return None
+        try:
+            _write(plan, buf, step, times, kind, generation)
+        except BaseException:
+            ring.abort()
+            raise
+        del buf
+        plan.fills = []  # (a fill may view the area)
+        if plan.area_end and claim.viewed():
+            self._keep(claim)
+        try:
+            ring.commit(nbytes)
+        except RingClosedError:
+            return Sent.CLOSED
+        self.spilling = False
+        return Sent.DELIVERED
+
+    def _keep(self, claim: Claim) -> None:
+        """Something in this worker still views ``claim``'s area: make its pages private here
+        and claim no more (see *Reading into the ring*)."""
+        assert self.ring is not None
+        start, used = claim.area
+        self.ring.keep_written([(claim.mm, claim.offset + start, used)])
+        self.claims = False
+        log.warning("worker %d: the dataset's transform or collate_fn kept a view of a sample "
+                    "field after its batch was made; this worker now reads samples into its own "
+                    "memory and copies them into the ring (slower). Copy what must outlive the "
+                    "batch (bytes(field), np.array(field))", self.index)
+
     def deliver(self, plan: Plan, step: int, times: list[float], generation: int,
                 kind: int = KIND_BATCH) -> Sent:
         """Write one message to the ring (or the spill pipe).
@@ -455,6 +534,11 @@ class _Output:
         A message larger than the ring can ever hold (an unusually large batch) goes through
         the spill pipe (one copy) instead of failing.
         """
+        claim, plan.claim = plan.claim, None
+        if claim is not None:
+            sent = self._deliver_claimed(plan, claim, step, times, generation, kind)
+            if sent is not None:
+                return sent
         nbytes = plan.nbytes
         if self.ring is None or nbytes > self.ring.max_message:  # no ring: only errors get here
             return self._spill(plan, step, times, generation, kind)
@@ -504,6 +588,39 @@ class _Output:
         return Sent.DELIVERED
 
 
+class Claim:
+    """Ring memory reserved for a message before it is built (see *Reading into the ring*):
+    ``buf`` the writable reservation, at ``offset`` of mapping ``mm``; the job that builds in it
+    sets ``area`` (``(start, nbytes)`` in ``buf`` of what it put there) and ``watch`` (a weak
+    reference to the object every view of the area holds)."""
+
+    __slots__ = ("area", "buf", "mm", "offset", "out", "watch")
+
+    def __init__(self, buf: memoryview, mm: Any, offset: int, out: _Output) -> None:
+        self.buf: memoryview | None = buf
+        self.mm, self.offset, self.out = mm, offset, out
+        self.area = (0, 0)
+        self.watch: Callable[[], Any] | None = None
+
+    def viewed(self) -> bool:
+        """Whether anything still views the area."""
+        return self.watch is not None and self.watch() is not None and self.area[1] > 0
+
+    def abort(self) -> None:
+        """Give the reservation back unused (nothing must use the area after this)."""
+        self.buf = None
+        ring = self.out.ring
+        if ring is not None:
+            ring.abort()
+
+    def drop(self) -> None:
+        """Give the reservation back unused, once the job let go of everything that views the
+        area (a view kept by user code keeps its bytes: see *Reading into the ring*)."""
+        if self.viewed():
+            self.out._keep(self)
+        self.abort()
+
+
 def _write(plan: Plan, buf: memoryview, step: int, times: list[float], kind: int,
            generation: int) -> None:
     """Write the message and record the write stage (batch messages carry stage seconds)."""
@@ -550,6 +667,9 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
     out = _Output(None, data, gen, want, index, poll, parent)
     if ring is not None:
         out.inherit(ring)
+    bind = getattr(job, "bind_output", None)
+    if bind is not None:
+        bind(out.claim)  # see *Reading into the ring*
     cmd = None
     while True:
         if cmd is None:
@@ -572,7 +692,7 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
                     break
                 plan, times = job.produce(step)
                 if out.ring is None:
-                    cmd = out.await_ring(control, plan.nbytes)
+                    cmd = out.await_ring(control, max(plan.nbytes, plan.size_hint))
                     if cmd is _GONE:
                         return
                     if cmd is _NO_RING:  # reported: main closes the pool

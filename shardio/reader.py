@@ -316,6 +316,38 @@ class DatasetReader:
             return sample
         raise UnrepairableError(self.manifest.shards[s].path, [("all copies", "skipped")])
 
+    def read_bytes(self, ids: np.ndarray) -> int | None:
+        """Arena bytes that :meth:`read_ids` takes for ``ids`` when it meets no fault: each run
+        of consecutive ids in one shard is read whole (the tar headers between its samples
+        included), in blocks of at most ``read_block``, each 64-byte aligned.  None when a shard
+        it needs cannot be opened now (the read itself will meet the fault and deal with it)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(ids) == 0:
+            return 0
+        shards = np.searchsorted(self.offsets, ids, side="right") - 1
+        local = ids - self.offsets[shards]
+        lo = np.empty(len(ids), dtype=np.int64)
+        hi = np.empty(len(ids), dtype=np.int64)
+        order = np.argsort(shards, kind="stable")
+        bounds = np.flatnonzero(np.diff(shards[order])) + 1
+        for group in np.split(order, bounds):
+            s = int(shards[group[0]])
+            try:
+                a, b = self.shard(s).index.spans()
+            except (*FAULTS, UnrepairableError, OSError):
+                return None
+            lo[group] = a[local[group]]
+            hi[group] = b[local[group]]
+        if len(ids) > 1:
+            ends = np.flatnonzero((np.diff(ids) != 1) | (np.diff(shards) != 0))
+            last = np.append(ends, len(ids) - 1)
+            first = np.insert(ends + 1, 0, 0)
+        else:
+            first = last = np.zeros(1, dtype=np.int64)
+        runs = hi[last] - lo[first]
+        total = int(runs.sum())
+        return total + 64 * (2 * len(runs) + total // self.read_block + 1)
+
     def read_ids(self, ids: np.ndarray) -> Iterator[dict[str, Any]]:
         """Samples with global ids ``ids``, in that order; runs of consecutive ids in one shard
         are read with one large ``pread``, single ids with one small one."""

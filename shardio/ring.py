@@ -77,7 +77,8 @@ How a blocked side sleeps and wakes (consumer shown; the producer mirrors it on 
     there to receive and the producer waits for space (the same Dekker pairing of flag, fence
     and check as above: the producer sees ``consumer_waiting`` and nudges, or the consumer sees
     ``producer_waiting``).  So the two sides cannot both sleep, each waiting for the other,
-    with no one told.  ``producer_waiting`` holds 1 + the ``space_seq`` the producer read before
+    with no one told.  A producer that only looks (``reserve(timeout=0)``) neither sets the
+    flag nor nudges: it is not about to sleep.  ``producer_waiting`` holds 1 + the ``space_seq`` the producer read before
     its last look at ``tail`` (31 bits), and the consumer only counts it while ``space_seq``
     still has that value: right after a release the producer is still asleep with the flag set,
     and is about to find the room it was given.  A worker pool uses this to move batches the
@@ -121,6 +122,7 @@ import struct
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -540,24 +542,95 @@ class Ring:
         self._pending = (head, size, nbytes, view)
         return view
 
-    def commit(self) -> None:
-        """Publish the reserved message to the consumer.
+    def commit(self, nbytes: int | None = None) -> None:
+        """Publish the reserved message to the consumer: its first ``nbytes`` bytes (default:
+        all that was reserved; the rest of the reservation goes back to the producer).
 
         Do not write through the reserved view (or arrays made from it) after this.
 
         Raises:
             RingClosedError: the ring was closed meanwhile; the message is dropped.
-            UsageError: nothing is reserved.
+            UsageError: nothing is reserved, or ``nbytes`` is more than was reserved.
         """
         mm = self._open()
         if self._pending is None:
             raise UsageError("commit() without a pending reserve()")
-        head, size, nbytes, _view = self._pending
+        head, size, reserved, _view = self._pending
+        if nbytes is not None:
+            nbytes = operator.index(nbytes)
+            if not 0 <= nbytes <= reserved:
+                raise UsageError(f"commit({nbytes}) of a reservation of {reserved} bytes")
+            size = _record_size(nbytes)
+        else:
+            nbytes = reserved
         self._pending = None
         if _load_u32(mm, _OFF_CLOSED):
             raise self._closed_for_send()
         _U64.pack_into(mm, _HEADER_BYTES + head % self.capacity, nbytes)
         self._publish(head + size)
+
+    def reserved_at(self) -> tuple[mmap.mmap, int]:
+        """Producer side: the mapping the pending reservation's view was made from, and the
+        view's offset in it (for :meth:`keep_written`).
+
+        Raises:
+            UsageError: nothing is reserved.
+        """
+        if self._pending is None:
+            raise UsageError("reserved_at() without a pending reserve()")
+        head, _size, _n, _view = self._pending
+        mm = self._mm
+        assert mm is not None
+        return mm, _HEADER_BYTES + head % self.capacity + _RECORD_HEADER
+
+    def keep_written(self, spans: Sequence[tuple[mmap.mmap, int, int]]) -> int:
+        """Producer side: bytes this process wrote into the ring, and that something in this
+        process still views, keep their contents after the ring goes round.
+
+        For a producer whose messages were built around memory it handed to other code (a
+        worker that reads samples straight into its reservation): should that code keep a
+        view, the producer's later messages would write over it.  Here the pages holding each
+        span ``(mapping, offset, nbytes)`` (``mapping`` and ``offset`` as :meth:`reserved_at`
+        gave them) become private copies at the same addresses in this process (as
+        :meth:`detach` does for a consumer); the consumer's pages are not touched.  When a
+        mapping is the ring's current one, this process maps the ring afresh for every later
+        message.  Call it before :meth:`commit` of a message whose own bytes are in a span
+        (its bytes are then final) and with no other reservation pending.
+
+        Returns:
+            Bytes copied (whole pages).
+
+        Raises:
+            UsageError: the ring keeps no descriptor (``keep_fd``), or a span is outside it.
+            OSError: the kernel refused the mapping or the page swap (ENOMEM: too many
+                mappings, ``vm.max_map_count``).
+        """
+        mm = self._open()
+        if self.fd is None:
+            raise UsageError("Ring.keep_written() maps the ring again: it needs the ring's "
+                             "descriptor (Ring.create(keep_fd=True), or Ring.fd set from from_fd)")
+        fresh = None
+        if any(m is mm for m, _off, _n in spans):
+            fresh = mmap.mmap(self.fd, len(mm), mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE)
+        copied = 0
+        try:
+            for m, off, n in spans:
+                if not _HEADER_BYTES <= off <= off + n <= len(m):
+                    raise UsageError(f"span ({off}, {n}) is not inside the ring's data area")
+                if n:
+                    copied += _privatize(m, off, n)
+        finally:
+            if fresh is not None:
+                self._retired.append(weakref.ref(mm))
+                self._mm = fresh
+                self._rw = memoryview(fresh)
+                self._ro = self._rw.toreadonly()
+                if self._pending is not None:
+                    head, size, n, _view = self._pending
+                    start = _HEADER_BYTES + head % self.capacity + _RECORD_HEADER
+                    self._pending = (head, size, n, self._rw[start:start + n])
+        return copied
 
     def abort(self) -> None:
         """Drop the pending reservation (if any); nothing is published."""
@@ -601,6 +674,9 @@ class Ring:
         self._tail_seen = _load_u64(mm, _OFF_TAIL)
         if cap - (self._head - self._tail_seen) >= need:
             return
+        if timeout is not None and timeout <= 0:
+            # A look, not a wait: the consumer is not told (see *How a blocked side sleeps*).
+            raise self._full(need, timeout)
         while True:
             seq = _load_u32(mm, _OFF_SPACE_SEQ)
             _store_u32(mm, _OFF_PRODUCER_WAITING, 1 + (seq & _SEQ_MASK))
@@ -616,14 +692,17 @@ class Ring:
                     _futex_wake(mm, _OFF_DATA_SEQ, 1)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    used = self._head - self._tail_seen
-                    raise RingTimeoutError(
-                        f"ring {self._name()} stayed full for {timeout:g} s ({used} of {cap} "
-                        f"bytes in use, {need} needed): the consumer is not releasing messages; "
-                        "release() them, or pass a larger timeout or capacity (ring_bytes)")
+                    raise self._full(need, timeout)
                 _futex_wait(mm, _OFF_SPACE_SEQ, seq, remaining)
             finally:
                 _store_u32(mm, _OFF_PRODUCER_WAITING, 0)
+
+    def _full(self, need: int, timeout: float | None) -> RingTimeoutError:
+        used = self._head - self._tail_seen
+        return RingTimeoutError(
+            f"ring {self._name()} stayed full for {timeout:g} s ({used} of {self.capacity} "
+            f"bytes in use, {need} needed): the consumer is not releasing messages; "
+            "release() them, or pass a larger timeout or capacity (ring_bytes)")
 
     def _closed_for_send(self) -> RingClosedError:
         return RingClosedError(f"ring {self._name()} is closed: the consumer stopped (or either "

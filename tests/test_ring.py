@@ -1080,3 +1080,99 @@ def test_retired_mappings_count_the_old_mappings_still_viewed() -> None:
         assert ring.retired_mappings() == 0
     finally:
         ring.close()
+
+
+def test_commit_publishes_only_the_bytes_asked_for() -> None:
+    """commit(n) of a larger reservation publishes n bytes; the rest of the reservation goes
+    back to the producer (the next message starts right after the record of n bytes)."""
+    ring = Ring.create(64 << 10, unlink_now=True)
+    try:
+        view = ring.reserve(40000, timeout=0)
+        view[:10] = b"0123456789"
+        with pytest.raises(UsageError, match="reservation of 40000"):
+            ring.commit(40001)
+        ring.commit(10)
+        assert ring.head == 64 + 64  # record header + 10 bytes padded to 64
+        msg = ring.recv(timeout=1)
+        assert bytes(msg.view) == b"0123456789"
+        ring.release(msg)
+        for i in range(40):  # round the ring several times: the space came back
+            view = ring.reserve(30000, timeout=1)
+            view[:5] = bytes([i]) * 5
+            ring.commit(5 + i)
+            msg = ring.recv(timeout=1)
+            assert bytes(msg.view)[:5] == bytes([i]) * 5 and msg.nbytes == 5 + i
+            ring.release(msg)
+    finally:
+        ring.close()
+
+
+def test_keep_written_keeps_what_the_producer_still_views() -> None:
+    """A producer that handed views of its reservation to other code (a worker reading samples
+    into it) and finds one still alive after the message is built: keep_written() makes those
+    pages private to the producer, so the view keeps its bytes while the ring goes round many
+    times, and the consumer receives every message intact.  Without it the view would show
+    later messages' bytes."""
+    ring = Ring.create(64 << 10, unlink_now=True, keep_fd=True)
+    try:
+        view = ring.reserve(9000, timeout=0)
+        mm, off = ring.reserved_at()
+        view[:] = b"K" * 9000
+        kept = np.frombuffer(view, dtype=np.uint8)[1000:5000]  # what user code held on to
+        assert ring.keep_written([(mm, off, 9000)]) >= 9000
+        ring.commit()
+        msg = ring.recv(timeout=1)
+        assert bytes(msg.view) == b"K" * 9000
+        ring.release(msg)
+        for i in range(100):  # ~14 laps over the kept message's place
+            payload = bytes([i % 251]) * (4000 + 61 * i)
+            view = ring.reserve(len(payload), timeout=1)
+            view[:] = payload
+            ring.commit()
+            msg = ring.recv(timeout=1)
+            assert bytes(msg.view) == payload
+            ring.release(msg)
+        assert bytes(kept) == b"K" * 4000
+        with pytest.raises(UsageError, match="reserved_at"):
+            ring.reserved_at()
+    finally:
+        ring.close()
+    plain = Ring.create(1 << 16, unlink_now=True)
+    try:
+        plain.reserve(100, timeout=0)
+        with pytest.raises(UsageError, match="descriptor"):
+            plain.keep_written([(*plain.reserved_at(), 100)])
+    finally:
+        plain.close()
+
+
+def test_a_producer_that_only_looks_is_not_waiting() -> None:
+    """reserve(timeout=0) on a full ring fails without counting as a producer waiting for
+    space: a consumer asking recv(until_full=True) is not told the ring is full (a worker that
+    tries to claim room for its next batch must not make main move the batches it keeps)."""
+    ring = Ring.create(64 << 10, unlink_now=True)
+    try:
+        held = []
+        while True:
+            try:
+                ring.send(b"h" * 9000, timeout=0)
+            except RingTimeoutError:
+                break
+            held.append(ring.recv(timeout=1))
+        # As if the consumer were asleep in recv(): a waiting producer would bump data_seq
+        # (offset 256, see the layout) to nudge it; one that only looks does not.
+        mm = ring._open()
+        _atomics.store_u32(mm, 448, 1)
+        seq = _atomics.load_u32(mm, 256)
+        with pytest.raises(RingTimeoutError):
+            ring.reserve(9000, timeout=0)
+        assert _atomics.load_u32(mm, 256) == seq and not ring.producer_waiting
+        with pytest.raises(RingTimeoutError):
+            ring.reserve(9000, timeout=0.01)
+        assert _atomics.load_u32(mm, 256) != seq  # a real wait nudges
+        _atomics.store_u32(mm, 448, 0)
+        for msg in held:
+            ring.release(msg)
+        assert bytes(ring.reserve(9000, timeout=0)[:1]) in (b"h", b"\0")
+    finally:
+        ring.close()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shardio._tree import plan_collate, plan_tree, read_header, read_tree
+from shardio import sharedbytes as sb
+from shardio._tree import Area, plan_collate, plan_tree, read_header, read_tree
 
 
 def roundtrip(plan, step=3):  # type: ignore[no-untyped-def]
@@ -105,3 +106,95 @@ def test_read_tree_reports_fields_and_copies_them_on_request() -> None:
     assert copied["arr"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     col = read_tree(cols.view(Lease), torch.from_numpy, True, copy=True)["b"]
     assert not np.shares_memory(col[0], cols) and [bytes(x) for x in col] == [b"abc", b"", b"de"]
+
+
+def _area_with(fields: list[bytes], size: int = 1 << 16, start: int = 128):  # type: ignore[no-untyped-def]
+    """An Area over a fresh buffer holding ``fields`` as the reader leaves them: copied in at
+    64-byte aligned offsets and cut as read-only slices of the area's array."""
+    buf = memoryview(bytearray(size))
+    area = Area(buf, start)
+    cut = []
+    for f in fields:
+        off = start + area.used
+        buf[off : off + len(f)] = f
+        area.used = ((off + len(f) + 63) & ~63) - start
+        cut.append(area.array[off : off + len(f)])
+    return buf, area, cut
+
+
+def _write_in_place(plan, buf):  # type: ignore[no-untyped-def]
+    assert plan.nbytes <= len(buf)
+    plan.write(buf, 5, [0.1])
+    return np.frombuffer(buf, dtype=np.uint8)[: plan.nbytes].copy()
+
+
+def test_fields_read_into_the_message_are_referenced_not_copied() -> None:
+    """A column of fields cut from the area (a batch read into its ring message) becomes the
+    area itself plus a table of where each field lies: the message's size grows by the table,
+    not by the fields, and the reader rebuilds every field (as read-only views, or bytes).  A
+    field read elsewhere (the worker's private arena), a small ``bytes`` field and a label
+    column ride along, copied in."""
+    fields = [bytes([i]) * (5000 + 300 * i) for i in range(6)]
+    buf, area, cut = _area_with(fields)
+    private = sb.Arena(shared=False)
+    view, off, mv = private.take(4100)
+    mv[:] = b"P" * 4100
+    outside = view[off : off + 4100]
+    samples = [{"jpg": x, "cls": i} for i, x in enumerate(cut)]
+    samples += [{"jpg": outside, "cls": 6}, {"jpg": b"tiny", "cls": 7}]
+    plan = plan_collate(samples, area, sb.is_arena_field)
+    assert plan.area_end == area.start + area.used
+    assert plan.field_bytes == sum(map(len, fields)) + 4100
+    # the table, meta, labels and the two copied fields come after the area: nothing more
+    assert plan.nbytes - plan.area_end < 4100 + 4 + 2000
+    msg = _write_in_place(plan, buf)
+    want = fields + [b"P" * 4100, b"tiny"]
+    out = read_tree(msg, torch.from_numpy, True)
+    assert [bytes(x) for x in out["jpg"]] == want
+    assert all(type(x) is np.ndarray and not x.flags.writeable for x in out["jpg"])
+    assert out["cls"].tolist() == list(range(8))
+    assert read_tree(msg, torch.from_numpy)["jpg"] == want  # without views: bytes
+    copied = read_tree(msg, torch.from_numpy, True, copy=True)["jpg"]
+    msg[:] = 0
+    assert [bytes(x) for x in copied] == want
+
+
+def test_area_arrays_of_a_user_collate_are_placed_and_copies_of_them_are_not() -> None:
+    """plan_tree references an array lying in the area where it is; an array copied from the
+    area (or any other) is copied in after it; a plan that reads nothing of the area has no
+    area layout (its worker writes it over the area)."""
+    fields = [bytes(range(256)) * 20, b"\x07" * 6000]
+    buf, area, cut = _area_with(fields)
+    as_u32 = cut[0][:4096].view(np.uint32)  # a view of a field: placed too
+    plan = plan_tree({"a": cut[1], "b": as_u32, "c": np.arange(5)}, area)
+    assert sorted(plan.placed.values()) == [area.start, area.start + 5120 + 0]
+    msg = _write_in_place(plan, buf)
+    out = read_tree(msg, torch.from_numpy)
+    assert bytes(out["a"]) == fields[1]
+    assert out["b"].tolist() == np.frombuffer(fields[0][:4096], np.uint32).tolist()
+    assert out["c"].tolist() == list(range(5))
+    # Stacked into one array, area bytes are copied: the area must stay where it is.
+    words = [x[:4096].view(np.uint32) for x in cut]
+    touched = plan_collate(words, area)
+    assert touched.area_end and not touched.placed
+    stacked = read_tree(_write_in_place(touched, buf), None)
+    assert stacked.tolist() == [np.frombuffer(f[:4096], np.uint32).tolist() for f in fields]
+    decoded = plan_collate([np.full(3, i) for i in range(4)], area)  # nothing of the area
+    assert decoded.area_end == 0 and decoded.field_bytes == 0
+
+
+def test_field_rows_takes_only_slices_of_the_area() -> None:
+    """The C fast path of a column in the area says no (and the Python path decides) for
+    anything that is not a 1-d uint8 slice of the area's array inside its used bytes."""
+    from shardio._sampleio import field_rows
+
+    _buf, area, cut = _area_with([b"a" * 5000, b"b" * 5000])
+    end = area.start + area.used
+    out = np.empty((2, 3), np.int64)
+    assert field_rows(cut, area.array, area.start, end, out)
+    assert out.tolist() == [[0, 0, 5000], [0, 5056, 10056]]
+    other = np.frombuffer(bytes(5000), np.uint8)
+    for bad in ([cut[0], other], [cut[0], cut[1].view(np.int8)],
+                [cut[0], cut[1][::2]]):
+        assert not field_rows(bad, area.array, area.start, end, np.empty((2, 3), np.int64))
+    assert not field_rows(cut, area.array, area.start, area.start + 5000, out)  # outside used

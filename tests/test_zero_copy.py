@@ -230,8 +230,9 @@ def test_checksums_and_repair_hold(ds_path: Path, tmp_path: Path, shuffle: bool)
 def test_shard_loader_delivers_bytes_columns_as_views_of_its_ring(ds_path: Path) -> None:
     """Under ShardLoader, ``zero_copy`` makes the default collate's bytes columns read-only
     ``uint8`` arrays viewing the ring message (no copy out); a batch kept across later epochs
-    keeps its bytes (its place in the ring is not reused).  A user collate's in-band bytes,
-    and everything without ``zero_copy``, stay ``bytes``."""
+    keeps its bytes (its place in the ring is not reused).  A user collate gets the fields as
+    the reader cut them (arrays from 4 KiB up, as under DataLoader), and they arrive with their
+    bytes; without ``zero_copy`` everything stays ``bytes``."""
     ref = _reference(ds_path)
     ds = shardio.ShardDataset(ds_path, batch_size=8, zero_copy=True)
     with shardio.ShardLoader(ds, batch_size=8, num_workers=2, ring_bytes="128KiB") as loader:
@@ -255,7 +256,12 @@ def test_shard_loader_delivers_bytes_columns_as_views_of_its_ring(ds_path: Path)
     with shardio.ShardLoader(plain, batch_size=8, num_workers=1) as loader:
         assert all(type(x) is bytes for b in loader for x in b["bin"])
     with shardio.ShardLoader(ds, batch_size=8, num_workers=1, collate_fn=_collate) as loader:
-        assert all(type(s["bin"]) is bytes for b in loader for s in b)
+        got = [s for b in loader for s in b]
+    assert len(got) == N
+    for s in got:
+        want = ref[s["__key__"]]["bin"]
+        assert type(s["bin"]) is (bytes if len(want) < sb.MIN_BYTES else np.ndarray)
+        assert _as_bytes(s["bin"]) == want
 
 
 def test_decoders_take_arrays() -> None:
@@ -616,3 +622,150 @@ def test_a_tensor_the_by_value_copy_fails_on_goes_torchs_way(
     for b in batches:
         assert b["in_worker_reducer"] == "_reduce_tensor"
         assert b["labels"].shape == (8,) and b["labels"].is_shared()  # torch's path
+
+
+# --- ShardLoader: zero_copy batches read straight into the worker's ring ------------------------
+
+
+class RingProbe:
+    """Worker transform: the field as given, and whether it lies in the batch's ring message
+    (an array field that is not from the worker's private arena)."""
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        x = sample["bin"]
+        in_ring = type(x) is np.ndarray and not sb.is_arena_field(x)
+        return {"key": sample["__key__"], "bin": x, "big": type(x) is np.ndarray,
+                "in_ring": in_ring}
+
+
+def test_shard_loader_reads_zero_copy_batches_into_its_ring(ds_path: Path) -> None:
+    """With zero_copy the worker reads a batch's samples straight into its ring message and the
+    batch points at them: after each worker's first batch (made before its ring exists), every
+    field of 4 KiB or more is read into the ring, and every field arrives with its bytes, over
+    shuffled epochs that go round the rings many times."""
+    ref = _reference(ds_path)
+    ds = shardio.ShardDataset(ds_path, batch_size=8, zero_copy=True, transform=RingProbe())
+    with shardio.ShardLoader(ds, batch_size=8, num_workers=2) as loader:
+        for epoch in range(4):
+            loader.set_epoch(epoch)
+            seen, in_ring, big = 0, 0, 0
+            for step, batch in enumerate(loader):
+                for key, x in zip(batch["key"], batch["bin"]):
+                    assert _as_bytes(x) == ref[key]["bin"]
+                    assert type(x) is np.ndarray and not x.flags.writeable
+                    seen += 1
+                big += int(batch["big"].sum())
+                in_ring += int(batch["in_ring"].sum())
+                if epoch or step >= 2:
+                    assert bool((batch["in_ring"] == batch["big"]).all()), (epoch, step)
+            assert seen == N and big > N // 3
+            assert in_ring == big or epoch == 0
+
+
+_KEPT: list[tuple[str, Any]] = []
+
+
+class KeepFirstField:
+    """Worker transform that keeps a view of the first field it is given that was read into the
+    ring (a cache of samples, say) and sends its bytes along with every later sample."""
+
+    def __call__(self, sample: dict[str, Any]) -> tuple[str, Any, str, bytes, bool]:
+        x = sample["bin"]
+        in_ring = type(x) is np.ndarray and not sb.is_arena_field(x)
+        if not _KEPT and in_ring:
+            _KEPT.append((sample["__key__"], x))
+        kept_key, kept = _KEPT[0] if _KEPT else ("", b"")
+        return sample["__key__"], x, kept_key, bytes(kept), in_ring
+
+
+def test_a_field_kept_by_the_transform_keeps_its_bytes(ds_path: Path) -> None:
+    """A transform that keeps a view of a field read into the ring: the worker finds the view
+    alive before it sends the batch and makes those pages private to itself, so the kept field
+    still holds its bytes after the ring has gone round many times (without that, later
+    batches would be written over it), and every batch still arrives intact."""
+    ref = _reference(ds_path)
+    ds = shardio.ShardDataset(ds_path, batch_size=4, zero_copy=True, transform=KeepFirstField())
+    with shardio.ShardLoader(ds, batch_size=4, num_workers=1, ring_bytes="96KiB") as loader:
+        kept_seen = in_ring = 0
+        for epoch in range(6):  # 72 batches of ~20 KB through a 96 KiB ring
+            loader.set_epoch(epoch)
+            for keys, fields, kept_keys, kept, ring in loader:
+                in_ring += int(ring.sum())
+                for key, x in zip(keys, fields):
+                    assert _as_bytes(x) == ref[key]["bin"]
+                for kept_key, data in zip(kept_keys, kept):
+                    if kept_key:
+                        assert _as_bytes(data) == ref[kept_key]["bin"], (epoch, kept_key)
+                        kept_seen += 1
+        assert kept_seen > 200
+        # Read into the ring until the kept view was found, then into the worker's memory.
+        assert 0 < in_ring < 40
+
+
+class SometimesBig:
+    """Worker transform: the field, plus an extra array that is large for a few samples (their
+    batches need far more room after the samples than the worker reserved), and for some keys
+    a copy of the field rather than the field (their batches carry no field in place)."""
+
+    def __call__(self, sample: dict[str, Any]) -> tuple[str, Any, Any]:
+        key, x = sample["__key__"], sample["bin"]
+        n = int(key[-3:])
+        extra = np.full(150_000 if n % 13 == 5 else 3, n, dtype=np.uint8)
+        if n % 8 >= 6 and type(x) is np.ndarray:
+            x = np.array(x)  # a private copy: not a field any more
+        return key, x, extra
+
+
+def test_batches_that_outgrow_the_room_reserved_for_them_arrive_intact(ds_path: Path) -> None:
+    """A batch whose other arrays do not fit beside its samples in the room the worker
+    reserved is made again outside the ring; one whose collate copied its fields is written
+    over the samples it read; both arrive with the right bytes, as do the batches around them."""
+    ref = _reference(ds_path)
+    ds = shardio.ShardDataset(ds_path, batch_size=4, zero_copy=True, transform=SometimesBig())
+    with shardio.ShardLoader(ds, batch_size=4, num_workers=2) as loader:
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            seen = 0
+            for keys, fields, extras in loader:
+                for key, x, extra in zip(keys, fields, extras):
+                    n = int(key[-3:])
+                    assert _as_bytes(x) == ref[key]["bin"]
+                    assert len(extra) == (150_000 if n % 13 == 5 else 3)
+                    assert bool((np.asarray(extra) == n).all())
+                    seen += 1
+            assert seen == N
+
+
+@pytest.mark.parametrize("replica", [False, True])
+def test_shard_loader_reads_into_its_ring_and_repairs_or_skips(
+        ds_path: Path, tmp_path: Path, replica: bool) -> None:
+    """A corrupt sample met while reading a batch into the ring is repaired from a replica
+    (its good bytes delivered) or, with ``on_corrupt="skip"`` and no good copy, replaced by a
+    repeat of another sample, itself intact in every later batch (the repeat outlives the
+    batch it was read in, so it is kept out of the ring); the corrupt bytes never arrive."""
+    root = tmp_path / "ds"
+    shutil.copytree(ds_path, root)
+    ref = _reference(ds_path)
+    man = shardio.Manifest.load(root)
+    shard = root / man.shards[2].path
+    flip_bits(str(shard), 700)  # the payload of the shard's first sample
+    bad_key = shardio.open_dataset(ds_path).shard(2).index.key(0)
+    extra: dict[str, Any] = {"replicas": [str(ds_path)]} if replica else {"on_corrupt": "skip"}
+    ds = shardio.ShardDataset(root, batch_size=4, zero_copy=True, transform=RingProbe(),
+                              **extra)
+    with shardio.ShardLoader(ds, batch_size=4, num_workers=2, ring_bytes="256KiB") as loader:
+        in_ring = 0
+        for epoch in range(4):
+            loader.set_epoch(epoch)
+            keys = []
+            for batch in loader:
+                for key, x in zip(batch["key"], batch["bin"]):
+                    assert _as_bytes(x) == ref[key]["bin"], (epoch, key)
+                    keys.append(key)
+                in_ring += int(batch["in_ring"].sum())
+            assert len(keys) == N
+            assert (bad_key in keys) == replica
+        assert in_ring > 8  # (a claim fails, and the batch is read aside, when the ring is full)
+        counters = loader.stats()["repair"]
+    assert counters.get("checksum_mismatch", 0) >= 1
+    assert counters.get("skipped_samples", 0) >= (0 if replica else 4)
