@@ -160,7 +160,7 @@ class _Job:
         claim = None if need is None else self.claim(_AREA_START + need + self.tail)
         if claim is None:
             out, times = self._make(ids, t0, None)
-            if need is not None:
+            if need is not None and self.through:  # (a batch that will be read into the ring)
                 out.size_hint = _AREA_START + need + self.tail
             return out, times
         try:

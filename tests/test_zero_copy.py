@@ -769,3 +769,30 @@ def test_shard_loader_reads_into_its_ring_and_repairs_or_skips(
         counters = loader.stats()["repair"]
     assert counters.get("checksum_mismatch", 0) >= 1
     assert counters.get("skipped_samples", 0) >= (0 if replica else 4)
+
+
+class Shrink:
+    """Worker transform that replaces the field by something small (as a decode does)."""
+
+    def __call__(self, sample: dict[str, Any]) -> Any:
+        return np.full(4, len(sample["bin"]), dtype=np.int64)
+
+
+def test_ring_of_a_transform_that_replaces_its_fields_is_sized_for_its_batches(
+        tmp_path: Path) -> None:
+    """A transform that does not pass the fields through (a decode) gets no reservation for its
+    samples, so its ring is sized for its (small) batches, not for the bytes it reads: 16
+    samples of 600 KB a batch would need a 38 MiB ring, and the batches of 4 numbers get the
+    smallest auto ring."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(32):
+        (src / f"s{i:03d}.bin").write_bytes(os.urandom(600_000))
+    shardio.pack(src, tmp_path / "ds", fsync=False, progress=False)
+    ds = shardio.ShardDataset(tmp_path / "ds", batch_size=16, zero_copy=True, transform=Shrink())
+    with shardio.ShardLoader(ds, batch_size=16, num_workers=1) as loader:
+        got = [int(x) for b in loader for x in b[:, 0]]
+        assert loader._pool is not None
+        ring = loader._pool._workers[0].ring
+        assert ring is not None and ring.capacity <= (8 << 20) + 4096
+    assert got == [600_000] * 32
