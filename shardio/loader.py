@@ -181,6 +181,8 @@ class _Job:
         ds = self.dataset
         o = ds.options
         area = None
+        if self.private is not None:
+            self.private.rewind()  # the last batch's private reads are dead: reuse their pages
         if claim is not None:
             assert claim.buf is not None and self.private is not None
             area = Area(claim.buf, _AREA_START)

@@ -420,6 +420,17 @@ class Arena:
         self.allocated += 1
         return _Chunk(max(n, self.chunk_bytes), shared)
 
+    def rewind(self) -> None:
+        """Start the next :meth:`take` at the beginning of the current chunk again when nothing
+        cut from it is alive any more (and the chunk is this process's): a process whose
+        fields never outlive a batch then reuses one chunk's pages instead of moving on to the
+        next chunk (a ``ShardLoader`` worker's private reads)."""
+        chunk = self._chunk
+        if (chunk is not None and self._pid == _PID[0] and self._used > HEADER
+                and chunk.reusable()):
+            self._used = HEADER
+            self._lease = chunk.lend()
+
     def take(self, n: int) -> tuple[np.ndarray, int, memoryview]:
         """Room for ``n`` bytes: ``(view, offset, writable memoryview of the n bytes)``; cut
         fields with ``view[offset:offset + length]``.  The chunk is not reused while the view

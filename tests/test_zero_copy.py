@@ -796,3 +796,22 @@ def test_ring_of_a_transform_that_replaces_its_fields_is_sized_for_its_batches(
         ring = loader._pool._workers[0].ring
         assert ring is not None and ring.capacity <= (8 << 20) + 4096
     assert got == [600_000] * 32
+
+
+def test_arena_rewind_reuses_the_chunk_once_nothing_cut_from_it_is_alive() -> None:
+    """rewind() starts the next take at the beginning of the current chunk when every field cut
+    from it is gone (a ShardLoader worker's private reads then reuse one chunk's pages from
+    batch to batch), and does nothing while one is alive."""
+    arena = sb.Arena(shared=False, chunk_bytes=1 << 16)
+    view, first, mv = arena.take(5000)
+    mv[:] = b"a" * 5000
+    field = view[first : first + 5000]
+    del view, mv
+    arena.take(5000)
+    arena.rewind()  # the field is alive: no rewind
+    view, off, mv = arena.take(100)
+    assert off > first + 5000 and bytes(field) == b"a" * 5000
+    del view, mv, field
+    arena.rewind()
+    view, off, mv = arena.take(100)
+    assert off == first and arena.allocated == 1
