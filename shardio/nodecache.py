@@ -337,6 +337,12 @@ class NodeCache:
     def state(self, i: int) -> ShardState:
         return ShardState(_load_u32(self._mm, _OFF_STATE + 4 * i))
 
+    def published(self, i: int) -> bool:
+        """Whether shard ``i``'s copy is published right now (a copy the stager drops is first
+        unpublished, then unlinked: a reader whose open of a copy :meth:`lookup` named fails
+        while this is False met that drop, not a bad copy)."""
+        return self.state(i) == ShardState.LOCAL
+
     def lookup(self, i: int, wait: float | None = None) -> str | None:
         """The published, verified copy of shard ``i`` (its index copy lies beside it), or ``None``.
 

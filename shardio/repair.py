@@ -189,8 +189,17 @@ class CopyLadder:
         return [c for c in out if c.path not in bad]
 
     def failed(self, i: int, copy: Copy, exc: BaseException) -> None:
-        """Record that ``copy`` of shard ``i`` is bad; deal with it as the module docstring says."""
+        """Record that ``copy`` of shard ``i`` is bad; deal with it as the module docstring says.
+
+        A staged copy that the stager no longer publishes (it evicted it, or another reader
+        found it bad and discarded it, after :meth:`copies` named it here) is not counted
+        again: its file may be gone before this reader opens it, and a fault of it was counted
+        by the reader that discarded it.  The next :meth:`copies` no longer names it."""
         kind = fault_kind(exc)
+        if copy.kind == "cache" and self.cache is not None and not self.cache.published(i):
+            log.debug("shard %s: its staged copy was dropped while this reader used it (%s); "
+                      "reading the next copy", self.entry(i).path, kind)
+            return
         self.counters.add(kind)
         self.counters.add("failovers")
         self._bad.setdefault(i, set()).add(copy.path)

@@ -169,3 +169,39 @@ def test_stager_stops_when_its_dataset_is_collected(shared: Path, tmp_path: Path
     while psutil.pid_exists(pid):  # stop() reaps it: no zombie either
         assert time.monotonic() < deadline, "the stager outlived its dataset"
         time.sleep(0.05)
+
+
+def test_a_copy_dropped_between_lookup_and_open_is_not_a_fault(
+        shared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stager evicts a staged copy (unpublishes it, then unlinks it) just after the reader's
+    ladder named it: the open fails, and the reader goes on to the original without counting a
+    missing copy, a failover or a discard (nothing was wrong with any copy)."""
+    from shardio import nodecache
+
+    cache = tmp_path / "nvme"
+    cache.mkdir()
+    # (No prefetch hints: they open shards ahead through a path that never counts faults.)
+    ds = shardio.ShardDataset(shared, shuffle=False, cache_dir=str(cache), cache_reserve=0,
+                              stage_lookahead=0, prefetch_shards=False)
+    ds.stage([0])
+    if ds._stager is not None:
+        ds._stager.stop()
+    ladder = ds.reader.ladder
+    real = ladder.copies
+
+    def copies_then_evict(i: int):  # type: ignore[no-untyped-def]
+        out = real(i)
+        if i == 1 and out[0].kind == "cache":  # what the stager's drop does, in its order
+            nodecache._store_u32(ds.cache._mm, nodecache._OFF_STATE + 4 * i,
+                                 int(nodecache.ShardState.REMOTE))
+            Path(ds.cache.path(1)).unlink()
+            Path(ds.cache.index_path(1)).unlink(missing_ok=True)
+        return out
+
+    monkeypatch.setattr(ladder, "copies", copies_then_evict)
+    before = ds.io_stats()
+    assert keys(ds) == keys(shardio.ShardDataset(shared, shuffle=False))
+    after = ds.io_stats()
+    for name in ("missing", "failovers", "cache_discarded", "index_corrupt", "io_error"):
+        assert delta(before, after, name) == 0, name
+    assert delta(before, after, "bytes_original") > 0  # shard 1, from the original
