@@ -14,6 +14,7 @@ import gc
 import os
 import pickle
 import shutil
+import time
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -815,3 +816,37 @@ def test_arena_rewind_reuses_the_chunk_once_nothing_cut_from_it_is_alive() -> No
     arena.rewind()
     view, off, mv = arena.take(100)
     assert off == first and arena.allocated == 1
+
+
+class SlowProbe(RingProbe):
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(0.003)
+        return super().__call__(sample)
+
+
+def test_a_worker_killed_while_reading_into_its_ring_is_replaced(ds_path: Path) -> None:
+    """SIGKILL of a worker that reads its batches into its ring: the worker forked in its place
+    inherits the ring (and the descriptor that Ring.keep_written would map it through), redoes
+    the batches that were never sent, and reads into the ring again; every sample arrives
+    exactly once with its bytes, in this epoch and the next."""
+    import signal
+
+    ref = _reference(ds_path)
+    ds = shardio.ShardDataset(ds_path, batch_size=4, seed=5, zero_copy=True,
+                              transform=SlowProbe())
+    with shardio.ShardLoader(ds, batch_size=4, num_workers=2, poll_interval=0.05) as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            keys: list[str] = []
+            in_ring = 0
+            for step, batch in enumerate(loader):
+                for key, x in zip(batch["key"], batch["bin"]):
+                    assert _as_bytes(x) == ref[key]["bin"]
+                    keys.append(key)
+                in_ring += int(batch["in_ring"].sum())
+                if epoch == 0 and step == 2:
+                    assert loader._pool is not None
+                    os.kill(loader._pool.pids()[0], signal.SIGKILL)
+            assert sorted(keys) == sorted(ref), epoch
+            assert in_ring > 0
+        assert loader.stats()["restarts"] == 1
