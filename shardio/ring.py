@@ -78,7 +78,8 @@ How a blocked side sleeps and wakes (consumer shown; the producer mirrors it on 
     and check as above: the producer sees ``consumer_waiting`` and nudges, or the consumer sees
     ``producer_waiting``).  So the two sides cannot both sleep, each waiting for the other,
     with no one told.  A producer that only looks (``reserve(timeout=0)``) neither sets the
-    flag nor nudges: it is not about to sleep.  ``producer_waiting`` holds 1 + the ``space_seq`` the producer read before
+    flag nor nudges: it is not about to sleep.  ``producer_waiting`` holds 1 + the
+    ``space_seq`` the producer read before
     its last look at ``tail`` (31 bits), and the consumer only counts it while ``space_seq``
     still has that value: right after a release the producer is still asleep with the flag set,
     and is about to find the room it was given.  A worker pool uses this to move batches the
