@@ -206,10 +206,6 @@ class Plan:
         return out, pos, pos + 16 * n + len(self.meta)
 
     @property
-    def table_offsets(self) -> list[tuple[int, int]]:
-        return self.layout()[0]
-
-    @property
     def nbytes(self) -> int:
         return self.layout()[2]
 
@@ -281,7 +277,7 @@ class _Acc:
         when it lies in the area, else copied in."""
         area = self.area
         if self.is_field is not None and self.is_field(arr):
-            self.field_bytes += arr.nbytes
+            self.field_bytes += arr.nbytes  # (a private arena's field: never in the area)
         if area is not None:
             off = area.offset_of(arr)
             if off is not None:
@@ -376,6 +372,21 @@ def _fields(items: Sequence[Any], acc: _Acc) -> bool:
     return seen
 
 
+def _area_column(items: Sequence[Any], acc: _Acc) -> _Pieces | None:
+    """The column as :func:`_pieces` makes it when every item is a field cut from the area (the
+    usual column of a batch read into its ring), checked and located in one C call; None
+    otherwise (``_fields``/``_pieces`` then look at each item)."""
+    area = acc.area
+    if area is None or field_rows is None or getattr(items[0], "base", None) is not area.array:
+        return None
+    where = np.empty((len(items), 3), dtype=np.int64)
+    if not field_rows(list(items), area.array, area.start, area.start + area.used, where):
+        return None
+    acc.field_bytes += int((where[:, 2] - where[:, 1]).sum())
+    return _Pieces(acc.whole_area(), -1,
+                   acc.add(where.dtype, where.shape, _copy_from(where), False).index)
+
+
 def _pieces(items: Sequence[np.ndarray | bytes], acc: _Acc) -> _Pieces:
     """A column of byte fields (see :class:`_Pieces`): those in the area stay there, the others
     (arrays or ``bytes``) are copied into one array, as a column of ``bytes`` is."""
@@ -407,17 +418,15 @@ def _pieces(items: Sequence[np.ndarray | bytes], acc: _Acc) -> _Pieces:
 
 def _col(items: Sequence[Any], acc: _Acc) -> Any:
     first = items[0]
-    area = acc.area
-    if type(first) is np.ndarray:
-        if area is not None and field_rows is not None and first.base is area.array:
-            where = np.empty((len(items), 3), dtype=np.int64)
-            if field_rows(list(items), area.array, area.start, area.start + area.used, where):
-                # Every item lies in the area (the usual column of a batch read into its ring).
-                acc.field_bytes += int((where[:, 2] - where[:, 1]).sum())
-                return _Pieces(acc.whole_area(), -1, acc.add(
-                    where.dtype, where.shape, _copy_from(where), False).index)
-    if (type(first) is np.ndarray or type(first) is bytes) and _fields(items, acc):
-        return _pieces(items, acc)
+    # Fields that are arrays exist only under zero_copy (an area or an is_field test): without
+    # one, a column of bytes goes straight on to _Bytes below.
+    if (acc.area is not None or acc.is_field is not None) and (
+            type(first) is np.ndarray or type(first) is bytes):
+        col = _area_column(items, acc)
+        if col is not None:
+            return col
+        if _fields(items, acc):
+            return _pieces(items, acc)
     if _is_tensor(first) or isinstance(first, np.ndarray):
         if not all(_is_tensor(x) or isinstance(x, np.ndarray) for x in items):
             return list(items)  # arrays mixed with other things: a list, as default_collate

@@ -316,6 +316,13 @@ class DatasetReader:
             return sample
         raise UnrepairableError(self.manifest.shards[s].path, [("all copies", "skipped")])
 
+    def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(shard, index in shard, cut)`` of non-empty ``ids``: ``cut[k]`` is True where
+        ``ids[k + 1]`` does not continue the run of ``ids[k]`` (consecutive, one shard)."""
+        shards = np.searchsorted(self.offsets, ids, side="right") - 1
+        cut = (np.diff(ids) != 1) | (np.diff(shards) != 0)
+        return shards, ids - self.offsets[shards], cut
+
     def read_bytes(self, ids: np.ndarray) -> int | None:
         """Arena bytes that :meth:`read_ids` takes for ``ids`` when it meets no fault: each run
         of consecutive ids in one shard is read whole (the tar headers between its samples
@@ -324,8 +331,7 @@ class DatasetReader:
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) == 0:
             return 0
-        shards = np.searchsorted(self.offsets, ids, side="right") - 1
-        local = ids - self.offsets[shards]
+        shards, local, cut = self._locate(ids)
         lo = np.empty(len(ids), dtype=np.int64)
         hi = np.empty(len(ids), dtype=np.int64)
         order = np.argsort(shards, kind="stable")
@@ -338,12 +344,9 @@ class DatasetReader:
                 return None
             lo[group] = a[local[group]]
             hi[group] = b[local[group]]
-        if len(ids) > 1:
-            ends = np.flatnonzero((np.diff(ids) != 1) | (np.diff(shards) != 0))
-            last = np.append(ends, len(ids) - 1)
-            first = np.insert(ends + 1, 0, 0)
-        else:
-            first = last = np.zeros(1, dtype=np.int64)
+        ends = np.flatnonzero(cut)
+        last = np.append(ends, len(ids) - 1)
+        first = np.insert(ends + 1, 0, 0)
         runs = hi[last] - lo[first]
         total = int(runs.sum())
         return total + 64 * (2 * len(runs) + total // self.read_block + 1)
@@ -354,14 +357,8 @@ class DatasetReader:
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) == 0:
             return
-        shards = np.searchsorted(self.offsets, ids, side="right") - 1
-        local = (ids - self.offsets[shards]).tolist()
-        shard_list = shards.tolist()
-        if len(ids) > 1:
-            step = np.diff(ids)
-            cut = ((step != 1) | (np.diff(shards) != 0)).tolist()
-        else:
-            cut = []
+        shards_a, local_a, cut_a = self._locate(ids)
+        local, shard_list, cut = local_a.tolist(), shards_a.tolist(), cut_a.tolist()
         n = len(local)
         k = 0
         while k < n:
