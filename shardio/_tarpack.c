@@ -1,6 +1,7 @@
-/* shardio._tarpack: the hot loop of `shardio pack --format tar` for plain members.
+/* shardio._tarpack: the hot loop of `shardio pack` for plain members (tar, and HDF5's payload).
  *
- *   fill(samples, start, names, label_field, check, base_pos, base_key, base_row, cap, out)
+ *   fill(samples, start, names, label_field, check, base_pos, base_key, base_row, cap, out,
+ *        headers=True)
  *       -> (stop, slow, length, data, keys, key_offsets, starts, name_ids, offsets, lengths,
  *           checksums)
  *
@@ -28,6 +29,10 @@
  * does.  It also stops (slow=False) once the batch holds `cap` bytes (at least one sample is
  * taken).  The files are read with the GIL released; names are registered only for the samples
  * returned, so the index is the same whichever code wrote a sample.
+ *
+ * With headers=False the members' data are laid out back to back, with no header and no padding:
+ * an HDF5 shard's /payload, byte for byte what shardio.formats.hdf5.Hdf5Writer.add collects.  The
+ * tar-only limits (ustar name length and size) then do not apply.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -129,9 +134,9 @@ ascii_str(PyObject *s)
  * -1: out of memory. */
 static int
 push_member(Batch *b, PyObject *field, const char *fname, Py_ssize_t fname_len, long long size,
-            const char *label, Py_ssize_t key_len, long long *added)
+            const char *label, Py_ssize_t key_len, int headers, long long *added)
 {
-    if (key_len + 1 + fname_len > 100) {
+    if (headers && key_len + 1 + fname_len > 100) {
         return 0;
     }
     Member *m = batch_member(b);
@@ -146,14 +151,14 @@ push_member(Batch *b, PyObject *field, const char *fname, Py_ssize_t fname_len, 
     if (label != NULL) {
         memcpy(m->label, label, (size_t)size);
     }
-    *added += BLOCK + padded(size);
+    *added += headers ? BLOCK + padded(size) : size;
     return 1;
 }
 
 /* Add sample `obj`'s members to the batch.  1: added; 0: the sample needs the Python code (the
  * batch is left as it was); -1: a Python error (not a property of the sample). */
 static int
-take_sample(Batch *b, PyObject *obj, PyObject *label_field, long long *bytes)
+take_sample(Batch *b, PyObject *obj, PyObject *label_field, int headers, long long *bytes)
 {
     Py_ssize_t mark = b->n;
     int rc = 0;
@@ -227,7 +232,7 @@ take_sample(Batch *b, PyObject *obj, PyObject *label_field, long long *bytes)
                 PyErr_Clear();
                 goto undo;
             }
-            if (size < 0 || size >= USTAR_SIZE_LIMIT) {
+            if (size < 0 || (headers && size >= USTAR_SIZE_LIMIT)) {
                 goto undo;
             }
             if (sorts) {
@@ -243,7 +248,7 @@ take_sample(Batch *b, PyObject *obj, PyObject *label_field, long long *bytes)
                 }
                 if (c > 0) { /* the label goes first, in field-name order */
                     int r = push_member(b, label_field, lf, lf_len, label_len, label_text, key_len,
-                                        &added);
+                                        headers, &added);
                     if (r <= 0) {
                         rc = r;
                         goto undo;
@@ -254,7 +259,7 @@ take_sample(Batch *b, PyObject *obj, PyObject *label_field, long long *bytes)
         }
         else if (with_label) {
             int r = push_member(b, label_field, lf, lf_len, label_len, label_text, key_len,
-                                &added);
+                                headers, &added);
             if (r <= 0) {
                 rc = r;
                 goto undo;
@@ -264,7 +269,7 @@ take_sample(Batch *b, PyObject *obj, PyObject *label_field, long long *bytes)
         else {
             break;
         }
-        int r = push_member(b, field, fname, fname_len, size, NULL, key_len, &added);
+        int r = push_member(b, field, fname, fname_len, size, NULL, key_len, headers, &added);
         if (r <= 0) {
             rc = r;
             goto undo;
@@ -393,9 +398,10 @@ tarpack_fill(PyObject *self, PyObject *args)
     PyObject *samples, *names, *label_field, *check, *out;
     Py_ssize_t start;
     long long base_pos, base_key, base_row, cap;
-    if (!PyArg_ParseTuple(args, "O!nO!UOLLLLO", &PyList_Type, &samples, &start, &PyDict_Type,
+    int headers = 1;
+    if (!PyArg_ParseTuple(args, "O!nO!UOLLLLO|p", &PyList_Type, &samples, &start, &PyDict_Type,
                           &names, &label_field, &check, &base_pos, &base_key, &base_row, &cap,
-                          &out)) {
+                          &out, &headers)) {
         return NULL;
     }
     Py_ssize_t total = PyList_GET_SIZE(samples);
@@ -415,7 +421,7 @@ tarpack_fill(PyObject *self, PyObject *args)
         if (b.ns > 0 && bytes >= cap) {
             break;
         }
-        int r = take_sample(&b, PyList_GET_ITEM(samples, i), label_field, &bytes);
+        int r = take_sample(&b, PyList_GET_ITEM(samples, i), label_field, headers, &bytes);
         if (r < 0) {
             goto error;
         }
@@ -446,6 +452,7 @@ tarpack_fill(PyObject *self, PyObject *args)
         buf = PyBytes_AS_STRING(data);
     }
     Py_ssize_t off = 0, done_samples = b.ns;
+    Py_ssize_t head = headers ? BLOCK : 0;
     /* Phase 2 (GIL released): read the files and lay out the members. */
     Py_BEGIN_ALLOW_THREADS
     int dfd = -1;
@@ -457,7 +464,7 @@ tarpack_fill(PyObject *self, PyObject *args)
         int failed = 0;
         for (Py_ssize_t j = rec->first; j < rec->first + rec->count; j++) {
             Member *m = &b.m[j];
-            char *dst = buf + off + BLOCK;
+            char *dst = buf + off + head;
             long long got;
             if (m->path == NULL) {
                 memcpy(dst, m->label, (size_t)m->size);
@@ -470,9 +477,14 @@ tarpack_fill(PyObject *self, PyObject *args)
                     break;
                 }
             }
-            write_header(buf + off, rec->ckey, rec->key_len, m->fname, m->fname_len, got);
             m->got = got;
-            m->data_off = off + BLOCK;
+            m->data_off = off + head;
+            if (!headers) { /* packed back to back; the next member's read may overwrite the
+                             * extra byte this one's read had room for */
+                off += (Py_ssize_t)got;
+                continue;
+            }
+            write_header(buf + off, rec->ckey, rec->key_len, m->fname, m->fname_len, got);
             Py_ssize_t p = padded(got);
             memset(dst + got, 0, (size_t)(p - got));
             off += BLOCK + p;

@@ -1,9 +1,10 @@
-"""The C loop of a tar pack (shardio/_tarpack.c) writes exactly what the Python code writes.
+"""The C loop of a pack (shardio/_tarpack.c) writes exactly what the Python code writes.
 
 ``TarWriter.add_files`` reads runs of samples in C and hands back any it does not handle (pax
-names, non-ASCII, unreadable or grown files); ``TarWriter.add`` is the reference.  Every test packs
-the same input both ways and compares the output byte for byte, and checks that the C loop did
-take part (so a fallback everywhere cannot pass for equality).
+names, non-ASCII, unreadable or grown files); ``TarWriter.add`` is the reference.  HDF5 shards use
+the same loop without tar headers (``Hdf5Writer.add_files``; ``Hdf5Writer.add`` the reference).
+Every test packs the same input both ways and compares the output byte for byte, and checks that
+the C loop did take part (so a fallback everywhere cannot pass for equality).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardio
+import shardio.formats.hdf5 as hdf5_format
 import shardio.formats.tar as tar_format
 from shardio._scan import Sample
 from shardio.codec import Codec
@@ -40,16 +42,20 @@ class _Counting:
         return result
 
 
+_WRITERS = {"tar": tar_format, "hdf5": hdf5_format}
+
+
 def _pack_both(src: Path, out: Path, monkeypatch: pytest.MonkeyPatch,
                **options: Any) -> tuple[dict[str, bytes], int]:
     """Pack ``src`` with the C loop and with the Python code; return the output files (the same
     both ways, asserted) and how many samples the C loop wrote."""
-    counting = _Counting(tar_format._fill)
-    monkeypatch.setattr(tar_format, "_fill", counting)
+    writer = _WRITERS[options.get("format", "tar")]
+    counting = _Counting(writer._fill)
+    monkeypatch.setattr(writer, "_fill", counting)
     shardio.pack(src, out / "c", progress=False, **options)
-    monkeypatch.setattr(tar_format, "_fill", None)
+    monkeypatch.setattr(writer, "_fill", None)
     shardio.pack(src, out / "py", progress=False, **options)
-    monkeypatch.setattr(tar_format, "_fill", counting.fill)
+    monkeypatch.setattr(writer, "_fill", counting.fill)
     c, py = file_bytes(out / "c"), file_bytes(out / "py")
     assert sorted(c) == sorted(py)
     for name in py:
@@ -61,6 +67,7 @@ def _pack_both(src: Path, out: Path, monkeypatch: pytest.MonkeyPatch,
 def small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """8 KiB batches: many buffer turns per shard, and samples bigger than a buffer."""
     monkeypatch.setattr(tar_format, "_FLUSH", 8192)
+    monkeypatch.setattr(hdf5_format, "_FILL", 8192)
 
 
 def _varied_tree(root: Path) -> Path:
@@ -81,26 +88,33 @@ def _varied_tree(root: Path) -> Path:
     return write_files(root, files)
 
 
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
 @pytest.mark.parametrize("label", [True, False])
 @pytest.mark.parametrize("workers", [1, 2])
 def test_same_bytes_as_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                              small_batches: None, label: bool, workers: int) -> None:
+                              small_batches: None, label: bool, workers: int, fmt: str) -> None:
     src = _varied_tree(tmp_path / "src")
     _files, in_c = _pack_both(src, tmp_path / "out", monkeypatch, label_from_dir=label,
-                             samples_per_shard=17, workers=workers)
+                             samples_per_shard=17, workers=workers, format=fmt)
     if workers == 1:  # forked workers count in their own copy of the wrapper
-        # The plain samples went through C; pax and non-ASCII keys did not (nor, with a label,
-        # the sample whose "<key>.cls" is too long for ustar).
-        assert in_c == (66 if label else 67)
+        # The plain samples went through C; non-ASCII keys did not, nor, in a tar shard, pax
+        # names (with a label, the sample whose "<key>.cls" is too long for ustar too).  HDF5
+        # has no member names: long ones go through C.
+        expected = {("tar", True): 66, ("tar", False): 67, ("hdf5", True): 73,
+                    ("hdf5", False): 73}
+        assert in_c == expected[fmt, label]
     assert read_back(tmp_path / "out" / "c") == read_back(tmp_path / "out" / "py")
 
 
-def test_sample_larger_than_a_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Bigger than a batch buffer (3 MiB): it gets a bytes object of its own.
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+def test_sample_larger_than_a_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     fmt: str) -> None:
+    # Bigger than a batch buffer (3 MiB; HDF5: the room left in the payload buffer): it gets a
+    # bytes object of its own.
     src = write_files(tmp_path / "src", {
         "a/x.bin": os.urandom(100), "a/y.bin": os.urandom(4 << 20), "a/z.bin": os.urandom(7),
     })
-    _files, in_c = _pack_both(src, tmp_path / "out", monkeypatch, shard_size="64MB")
+    _files, in_c = _pack_both(src, tmp_path / "out", monkeypatch, shard_size="64MB", format=fmt)
     assert in_c == 3
     assert read_back(tmp_path / "out" / "c")["a/y"]["bin"] == (src / "a/y.bin").read_bytes()
 
@@ -113,16 +127,18 @@ _NAME = st.text(alphabet="abcxyz_-é0", min_size=1, max_size=8)
 @given(tree=st.dictionaries(
     st.tuples(st.sampled_from(["c1", "c2"]), _NAME, st.sampled_from(["jpg", "txt", "a", "zz"])),
     st.integers(0, 3000), min_size=1, max_size=30),
-    label=st.booleans(), per_shard=st.integers(1, 9))
+    label=st.booleans(), per_shard=st.integers(1, 9), fmt=st.sampled_from(["tar", "hdf5"]))
 def test_same_bytes_as_python_any_tree(tmp_path_factory: pytest.TempPathFactory,
                                        monkeypatch: pytest.MonkeyPatch,
                                        tree: dict[tuple[str, str, str], int], label: bool,
-                                       per_shard: int) -> None:
+                                       per_shard: int, fmt: str) -> None:
     root = tmp_path_factory.mktemp("t")
     monkeypatch.setattr(tar_format, "_FLUSH", 4096)
+    monkeypatch.setattr(hdf5_format, "_FILL", 4096)
     src = write_files(root / "src", {f"{d}/{stem}.{ext}": os.urandom(n)
                                      for (d, stem, ext), n in tree.items()})
-    _pack_both(src, root / "out", monkeypatch, label_from_dir=label, samples_per_shard=per_shard)
+    _pack_both(src, root / "out", monkeypatch, label_from_dir=label, samples_per_shard=per_shard,
+               format=fmt)
 
 
 # --- what the C loop hands back ------------------------------------------------------------

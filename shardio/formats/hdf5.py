@@ -50,6 +50,11 @@ from ..errors import (
 )
 from .base import _ARRAYS, IndexBuilder, ShardIndex, ShardWriter, WrittenShard
 
+try:  # the C read loop of a pack (shardio/_tarpack.c, headers=False); Hdf5Writer.add is the reference
+    from .._tarpack import fill as _fill
+except ImportError:  # pragma: no cover - built with the package on Linux
+    _fill = None
+
 __all__ = ["Hdf5Writer", "load_hdf5_index"]
 
 FORMAT_NAME = "shardio-hdf5"
@@ -69,6 +74,8 @@ def _h5py() -> Any:
 # page fault per 4 KiB (the kernel zeroes each page) and an unmap when it is freed, about a fifth
 # of an HDF5 pack's time.  The packer drops it at the end (release_buffers).
 _SPARE: list[bytearray] = []
+# Bytes add_files reads per call into the C loop (it releases the GIL while it reads them).
+_FILL = 4 << 20
 
 
 def release_buffers() -> None:
@@ -93,9 +100,11 @@ class Hdf5Writer(ShardWriter):
         # The payload is _buf[:_used]; _buf is reused from the previous shard when there is one.
         self._buf = _SPARE.pop() if _SPARE else bytearray()
         self._used = 0
+        if _fill is not None and codec.name is None:
+            self.add_files = self._add_files
 
     def add(self, key: str, fields: Sequence[tuple[str, bytes]]) -> None:
-        index, buf, check, used = self._index, self._buf, self._check, self._used
+        index, check, used, put = self._index, self._check, self._used, self._put
         encode = self.codec.encode if self.codec.name is not None else None
         index.add_sample(key)
         for name, data in fields:
@@ -103,16 +112,52 @@ class Hdf5Writer(ShardWriter):
                 stored, flags = data, 0
             else:
                 stored, flags = encode(data)
-            end = used + len(stored)
-            if end <= len(buf):  # room left in a recycled buffer: overwrite in place
-                buf[used:end] = stored
-            else:  # append: the buffer grows by realloc (mremap: no copy, no re-fault)
-                if used < len(buf):
-                    buf = self._truncate(used)
-                buf += stored
+            end = put(used, stored)
             index.add_field(name, flags, used, len(stored), len(data), check(stored))
             used = end
         self._used = used
+
+    def _add_files(self, samples: list[Any], start: int, label_field: str) -> int:
+        """Read and add samples ``samples[start:]`` (:class:`shardio._scan.Sample`) in C.
+
+        Returns the index of the first sample not added: ``len(samples)``, or a sample the C
+        code leaves to the caller (see shardio/_tarpack.c: non-ASCII names, a file it cannot
+        read or that grew, ...), which must then go through :meth:`add`.  The payload and the
+        index rows are exactly what :meth:`add` collects for the same samples.  The C code reads
+        straight into the payload buffer where a recycled one has room; otherwise into a new
+        ``bytes`` (uninitialised, unlike a bytearray grown by hand), appended as :meth:`add`
+        appends.
+        """
+        index = self._index
+        n = len(samples)
+        while start < n:
+            used = self._used
+            if len(self._buf) - used > _FILL:
+                with memoryview(self._buf) as whole, whole[used:] as out:
+                    result = _fill(samples, start, index._names, label_field, self._check, used,
+                                   len(index._keys), len(index.f_name), _FILL, out, False)
+            else:
+                result = _fill(samples, start, index._names, label_field, self._check, used,
+                               len(index._keys), len(index.f_name), _FILL, None, False)
+            (start, slow, length, data, keys, key_offsets, starts, name_ids, offsets, lengths,
+             checksums) = result
+            index.add_columns(keys, key_offsets, starts, name_ids, offsets, lengths, checksums)
+            self._used = used + length if data is None else self._put(used, data)
+            if slow:
+                break
+        return start
+
+    def _put(self, used: int, data: Any) -> int:
+        """Place ``data`` at ``used`` in the payload buffer; returns the end of it."""
+        end = used + len(data)
+        buf = self._buf
+        if end <= len(buf):  # room left in a recycled buffer: overwrite in place
+            buf[used:end] = data
+        else:  # append: the buffer grows by realloc (mremap: no copy, no re-fault)
+            if used < len(buf):
+                buf = self._truncate(used)
+            buf += data
+        return end
 
     def _truncate(self, used: int) -> bytearray:
         """Drop the stale tail of a recycled buffer, keeping the first ``used`` bytes."""
