@@ -4,16 +4,29 @@ A sample is every file sharing a key: the path relative to SRC up to the first d
 name (WebDataset's rule), so ``cats/0001.jpg`` and ``cats/0001.json`` form sample ``cats/0001``
 with fields ``jpg`` and ``json``.  Hidden files and directories (leading dot) are ignored.
 Symbolic links are followed; a link back to a directory on the current path is a loop.
+
+Stats in threads: on a parallel filesystem a stat is a round trip to the metadata server (on
+Lustre also a glimpse of the size from the storage targets), ~0.1-1 ms, so a one-thread scan of
+millions of files takes minutes to hours while the writers wait for their first shards.  The
+scan times its first :data:`_PROBE_STATS` stats; when they average :data:`_SLOW_STAT` or more, it
+fetches each directory's stats through :data:`AUTO_SCAN_THREADS` threads (a stat releases the
+GIL) before it reads them in order, so the samples and their order are the same.  On a local disk
+with the dentries cached a stat takes ~2 us, and threads would only add handoffs: they stay off.
+``scan_threads`` (``shardio pack --scan-threads``) sets the number instead (1: never).
 """
 
 from __future__ import annotations
 
 import os
 import stat as stat_mod
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+from . import _inject
 from .errors import (
     BrokenSymlinkError,
     DuplicateKeyError,
@@ -26,10 +39,16 @@ from .errors import (
     UsageError,
 )
 
-__all__ = ["Sample", "ScanResult", "Walk", "scan_source"]
+__all__ = ["AUTO_SCAN_THREADS", "Sample", "ScanResult", "Walk", "scan_source"]
 
 LABEL_FIELD = "cls"
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+# Stats in threads (see the module docstring).
+AUTO_SCAN_THREADS = 16
+_PROBE_STATS = 64  # stats timed before the scan decides
+_SLOW_STAT = 50e-6  # mean seconds a stat takes from which threads pay
+_MIN_POOLED = 16  # fewer stats than this in a directory are not worth the pool
 
 
 @dataclass(slots=True)
@@ -93,6 +112,116 @@ def _has_label_file(key: str) -> DuplicateKeyError:
                              "--label-from-dir would overwrite; drop one of them")
 
 
+def _fetch_entries(entries: Sequence[os.DirEntry[str]], latency: float = 0.0) -> list[Any]:
+    """Stat ``entries`` (following links) into their caches; a failure is left for the caller's
+    own ``stat()`` to meet again.  ``latency``: the simulated one (``SHARDIO_SLOW_STATS``)."""
+    for e in entries:
+        if latency:
+            time.sleep(latency)
+        try:
+            e.stat(follow_symlinks=True)
+        except OSError:
+            pass
+    return []
+
+
+def _stat_paths(paths: Sequence[str], latency: Callable[[str], float] | None = None
+                ) -> list[os.stat_result | OSError]:
+    out: list[os.stat_result | OSError] = []
+    for p in paths:
+        if latency is not None:
+            time.sleep(latency(p))
+        try:
+            out.append(os.stat(p))
+        except OSError as exc:
+            out.append(exc)
+    return out
+
+
+class _Stats:
+    """Whether, and through how many threads, a scan fetches its stats (see the module
+    docstring).  ``threads``: ``None`` decides from the first stats; 1 never uses threads."""
+
+    def __init__(self, threads: int | None) -> None:
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise UsageError(f"scan_threads must be an integer >= 1, got {threads!r}")
+        self.threads = threads
+        self.decided = threads is not None
+        self.probed = 0
+        self.probe_s = 0.0
+        self._pool: ThreadPoolExecutor | None = None  # made at first use, after any fork
+        self._latency: dict[str, float] = {}
+
+    @property
+    def pooled(self) -> bool:
+        return self.decided and (self.threads or 1) > 1
+
+    def _probe(self, fetch: Callable[[], Any], n: int) -> None:
+        t = time.perf_counter()
+        fetch()
+        self.probe_s += time.perf_counter() - t
+        self.probed += n
+        if self.probed >= _PROBE_STATS:
+            self.decided = True
+            self.threads = AUTO_SCAN_THREADS if self.probe_s / self.probed >= _SLOW_STAT else 1
+
+    def _map(self, fn: Callable[[Any], list[Any]], items: Sequence[Any]) -> list[Any]:
+        """``fn`` over chunks of ``items`` in the pool, results concatenated in order."""
+        threads = self.threads or 1
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shardio-stat")
+        per = max(8, -(-len(items) // (threads * 4)))
+        parts = self._pool.map(fn, [items[i:i + per] for i in range(0, len(items), per)])
+        return [r for part in parts for r in part]
+
+    def _dir_latency(self, directory: str) -> float:
+        """The simulated latency of a stat in ``directory`` (``SHARDIO_SLOW_STATS``)."""
+        got = self._latency.get(directory)
+        if got is None:
+            got = self._latency[directory] = _inject.stat_latency(directory)
+        return got
+
+    def latency(self, path: str) -> float:
+        return self._dir_latency(os.path.dirname(path))
+
+    def entries(self, directory: str, entries: list[os.DirEntry[str]]) -> None:
+        """Fetch the stats of a directory's entries (hidden ones aside) into their caches
+        before the walk reads them in order: in the pool once stats proved slow; timed while
+        that is undecided; with the simulated latency when one is set."""
+        lat = self._dir_latency(directory) if _inject.STATS_ACTIVE else 0.0
+        if self.decided and not self.pooled and not lat:
+            return
+        todo = [e for e in entries if e.name[0] != "."]
+        if not self.decided and todo:
+            head, todo = todo[:_PROBE_STATS - self.probed], todo[_PROBE_STATS - self.probed:]
+            self._probe(lambda: _fetch_entries(head, lat), len(head))
+        if not todo:
+            return
+        if self.pooled and len(todo) >= _MIN_POOLED:
+            self._map(lambda chunk: _fetch_entries(chunk, lat), todo)
+        elif lat:
+            _fetch_entries(todo, lat)
+
+    def paths(self, paths: list[str]) -> list[os.stat_result | OSError]:
+        """``os.stat`` of each of ``paths`` in order, the ``OSError`` in place of a failed one."""
+        lat = self.latency if _inject.STATS_ACTIVE else None
+        out: list[os.stat_result | OSError] = []
+        rest = paths
+        if not self.decided and rest:
+            head, rest = rest[:_PROBE_STATS], rest[_PROBE_STATS:]
+            self._probe(lambda: out.extend(_stat_paths(head, lat)), len(head))
+        if self.pooled and len(rest) >= _MIN_POOLED:
+            out += self._map(lambda chunk: _stat_paths(chunk, lat), rest)
+        else:
+            out += _stat_paths(rest, lat)
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
 # (directory relative to SRC, file name, path, size, mtime_ns)
 _Found = tuple[str, str, str, int, int]
 _File = tuple[str, str, int, int]  # (field, path, size, mtime_ns), as in Sample.files
@@ -115,8 +244,10 @@ class Walk:
         UnreadableFileError, SourceError, DuplicateKeyError: per the ``on_error`` policy.
     """
 
-    def __init__(self, src: str, out: str, *, label_from_dir: bool, on_error: str) -> None:
+    def __init__(self, src: str, out: str, *, label_from_dir: bool, on_error: str,
+                 scan_threads: int | None = None) -> None:
         self.src, self.label_from_dir = src, label_from_dir
+        self.stats = _Stats(scan_threads)
         self.out_real = os.path.realpath(out)
         self.problem = _Problems(on_error)
         self.labels: list[str] | None = [] if label_from_dir else None
@@ -129,7 +260,10 @@ class Walk:
 
     def __iter__(self) -> Iterator[Sample]:
         root = os.stat(self.src)
-        yield from self._visit(self.src, "", frozenset({(root.st_dev, root.st_ino)}), None)
+        try:
+            yield from self._visit(self.src, "", frozenset({(root.st_dev, root.st_ino)}), None)
+        finally:
+            self.stats.close()  # no stat thread outlives the walk (the packer forks after it)
         if not self.samples:
             raise EmptySourceError(
                 f"no sample files found in {self.src}"
@@ -160,6 +294,7 @@ class Walk:
                     exc.errno, f"cannot list directory {path}: {exc.strerror}; fix its permissions "
                     "or pass --on-error skip"))
                 return
+            self.stats.entries(path, entries)  # their stats, fetched ahead when that pays
             groups, subdirs = self._list(path, dfd, rel, ancestors, entries)
         finally:
             os.close(dfd)
@@ -256,14 +391,14 @@ class Walk:
         return groups, subdirs
 
 
-def _from_list(src: str, list_path: str, problem: _Problems) -> list[_Found]:
+def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> list[_Found]:
     try:
         with open(list_path, "rb") as f:
             lines = f.read().splitlines()
     except OSError as exc:
         raise UsageError(f"cannot read --files-from {list_path}: {exc.strerror}") from exc
     src_real = os.path.realpath(src)
-    found = []
+    listed: list[tuple[str, str]] = []  # (path, rel)
     for raw in lines:
         if not raw.strip() or raw.startswith(b"#"):
             continue
@@ -280,9 +415,14 @@ def _from_list(src: str, list_path: str, problem: _Problems) -> list[_Found]:
         rel = rel.replace(os.sep, "/")
         if not _utf8(rel, problem):
             continue
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
+        listed.append((path, rel))
+    found = []
+    try:
+        results = stats.paths([path for path, _rel in listed])
+    finally:
+        stats.close()
+    for (path, rel), st in zip(listed, results):
+        if isinstance(st, FileNotFoundError):
             if os.path.islink(path):
                 problem("broken_symlink", BrokenSymlinkError(
                     2, f"{path} is a broken symbolic link; fix it or pass --on-error skip"))
@@ -290,10 +430,10 @@ def _from_list(src: str, list_path: str, problem: _Problems) -> list[_Found]:
                 problem("unreadable", UnreadableFileError(
                     2, f"listed file {path} does not exist; fix the list or pass --on-error skip"))
             continue
-        except OSError as exc:
-            kind = "symlink_loop" if exc.errno == 40 else "unreadable"
-            cls = SymlinkLoopError if exc.errno == 40 else UnreadableFileError
-            problem(kind, cls(exc.errno, f"cannot stat {path}: {exc.strerror}; "
+        if isinstance(st, OSError):
+            kind = "symlink_loop" if st.errno == 40 else "unreadable"
+            cls = SymlinkLoopError if st.errno == 40 else UnreadableFileError
+            problem(kind, cls(st.errno, f"cannot stat {path}: {st.strerror}; "
                               "pass --on-error skip to leave it out"))
             continue
         if stat_mod.S_ISREG(st.st_mode):
@@ -304,19 +444,22 @@ def _from_list(src: str, list_path: str, problem: _Problems) -> list[_Found]:
 
 def scan_source(
     src: str, out: str, *, files_from: str | None, label_from_dir: bool, on_error: str,
+    scan_threads: int | None = None,
 ) -> ScanResult:
-    """Scan ``src`` (or the list ``files_from`` relative to it) into key-sorted samples.
+    """Scan ``src`` (or the list ``files_from`` relative to it) into key-sorted samples;
+    ``scan_threads``: see the module docstring.
 
     Raises:
         EmptySourceError, DuplicateKeyError, BrokenSymlinkError, SymlinkLoopError,
         NonUtf8NameError, UnreadableFileError: per the ``on_error`` policy.
     """
     if not files_from:
-        walk = Walk(src, out, label_from_dir=label_from_dir, on_error=on_error)
+        walk = Walk(src, out, label_from_dir=label_from_dir, on_error=on_error,
+                    scan_threads=scan_threads)
         samples = list(walk)
         return ScanResult(samples, walk.labels, walk.files, walk.skipped)
     problem = _Problems(on_error)
-    files = _from_list(src, files_from, problem)
+    files = _from_list(src, files_from, problem, _Stats(scan_threads))
     # key -> its one file (the common case: no dict per key), or {field: file} for several.
     by_key: dict[str, _File | dict[str, _File]] = {}
     for d, base, path, size, mtime in files:

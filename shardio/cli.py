@@ -45,6 +45,9 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     pk.add_argument("--shard-size", default=None, help="max shard size, e.g. 256MB (default 256MB)")
     pk.add_argument("--samples-per-shard", type=int, default=None)
     pk.add_argument("--workers", type=int, default=1, help="writer processes (default 1)")
+    pk.add_argument("--scan-threads", type=int, default=None, metavar="N",
+                    help="threads that stat the source files (default: 16 when the first stats "
+                    "are slow, as on a parallel filesystem, else none; 1: never)")
     pk.add_argument("--compress", default=None, help="none | zstd | zstd:LEVEL")
     pk.add_argument("--zstd-dict", action="store_true", help="train and store a zstd dictionary")
     pk.add_argument("--label-from-dir", action="store_true",
@@ -152,7 +155,7 @@ def _cmd_pack(a: argparse.Namespace) -> int:
         label_from_dir=a.label_from_dir, checksum=a.checksum, on_error=a.on_error,
         overwrite=a.overwrite, resume=a.resume, fsync=not a.no_fsync, prefix=a.prefix,
         parity=a.parity, stripe_count=a.stripe_count, stripe_size=a.stripe_size,
-        stripe_pool=a.stripe_pool, part=a.part,
+        stripe_pool=a.stripe_pool, part=a.part, scan_threads=a.scan_threads,
     )
     t0 = time.perf_counter()
     m = pack(a.src, a.out, opts, files_from=a.files_from, progress=a.progress)

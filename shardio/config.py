@@ -113,6 +113,10 @@ class PackOptions:
             same global shard plan and writes a contiguous, byte-balanced share of its shards
             under their global names; ``shardio merge`` then publishes the manifest.  Not part of
             the job fingerprint: the merged dataset is the same for any ``N``.
+        scan_threads: threads that fetch the scan's stats (a parallel filesystem answers
+            each one in ~0.1-1 ms); ``None`` (default): the scan times its first stats and uses
+            16 threads when they average 50 us or more, else none; ``1``: never.  Not part of
+            the job fingerprint.
     """
 
     format: str = "tar"
@@ -133,6 +137,7 @@ class PackOptions:
     stripe_size: int | str = 4 << 20
     stripe_pool: str | None = None
     part: tuple[int, int] | str | None = None
+    scan_threads: int | None = None
 
     def __post_init__(self) -> None:
         check_format(self.format)
@@ -153,6 +158,10 @@ class PackOptions:
             raise UsageError("give --shard-size and/or --samples-per-shard")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise UsageError(f"workers must be an integer >= 1, got {self.workers!r}")
+        if self.scan_threads is not None and (not isinstance(self.scan_threads, int)
+                                              or self.scan_threads < 1):
+            raise UsageError(f"scan_threads must be an integer >= 1 (or None: automatic), got "
+                             f"{self.scan_threads!r}")
         codec, _ = parse_compress(self.compress)
         if self.zstd_dict and codec is None:
             raise UsageError("--zstd-dict needs compression: add --compress zstd")

@@ -335,7 +335,7 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
             and _empty(out):
         return _pack_streaming(src, out, options, progress)
     scan = scan_source(src, out, files_from=flist, label_from_dir=options.label_from_dir,
-                       on_error=options.on_error)
+                       on_error=options.on_error, scan_threads=options.scan_threads)
     sizes = _drop_too_large(scan, options, _estimates(scan.samples, options))
     ranges = plan_shards(scan.samples, options, sizes)
     key = options.job_key()
@@ -375,7 +375,8 @@ def _pack_streaming(src: str, out: str, options: PackOptions, progress: bool | N
     ``on_error="raise"`` (or an oversize sample) can come after some shards were published;
     no manifest is, and a rerun after the fix resumes.
     """
-    walk = Walk(src, out, label_from_dir=options.label_from_dir, on_error=options.on_error)
+    walk = Walk(src, out, label_from_dir=options.label_from_dir, on_error=options.on_error,
+                scan_threads=options.scan_threads)
     codec = Codec(options.codec_name, options.codec_level, None)
     key = options.job_key()
     job = _JobHash()

@@ -1,0 +1,175 @@
+"""The scan's stats in threads (``PackOptions.scan_threads``, ``shardio/_scan.py``).
+
+A scan that fetches its stats through threads must find the same samples, in the same order,
+with the same problems, as a one-thread scan; it must turn threads on by itself when stats are
+slow (a parallel filesystem, simulated with ``SHARDIO_SLOW_STATS``) and not when they are fast;
+and no stat thread may outlive the scan (the packer forks its workers around it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+import shardio
+from shardio._scan import AUTO_SCAN_THREADS, Walk, scan_source
+from shardio.cli import main as cli_main
+from shardio.errors import UsageError
+from tests.test_pack import file_bytes, write_files
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tree(root: Path, n: int = 300) -> Path:
+    """Class folders with nested subfolders, multi-field samples, hidden files, a link to a
+    file, a broken link and a file without an extension (the last two are problems)."""
+    files = {}
+    for i in range(n):
+        d = f"c{i % 3}/sub{i % 4}" if i % 5 else f"c{i % 3}"
+        files[f"{d}/s{i:04d}.jpg"] = bytes([i % 256]) * (i % 700)
+        if i % 7 == 0:
+            files[f"{d}/s{i:04d}.json"] = b'{"i": %d}' % i
+    files["c0/.hidden.jpg"] = b"never packed"
+    files["c1/noext"] = b"no field name"
+    write_files(root, files)
+    os.symlink("s0005.jpg", root / "c2" / "alias.jpg")
+    os.symlink("gone.jpg", root / "c2" / "broken.jpg")
+    return root
+
+
+def _walk(src: Path, threads: int | None) -> tuple[list[tuple[str, object, object]], dict, Walk]:
+    w = Walk(str(src), str(src.parent / "out"), label_from_dir=True, on_error="skip",
+             scan_threads=threads)
+    found = [(s.key, s.files, s.label) for s in w]
+    return found, dict(w.skipped), w
+
+
+@pytest.mark.parametrize("threads", [2, 8, 64])
+def test_threads_find_the_same_samples(tmp_path: Path, threads: int) -> None:
+    src = _tree(tmp_path / "src")
+    one, skipped_one, w1 = _walk(src, 1)
+    many, skipped_many, wn = _walk(src, threads)
+    assert many == one
+    assert skipped_many == skipped_one == {"broken_symlink": 1, "no_extension": 1}
+    assert len(one) == 301  # 300 samples and the link
+    assert (w1.stats.threads, wn.stats.threads) == (1, threads)
+
+
+def test_a_list_of_files_with_threads(tmp_path: Path) -> None:
+    src = _tree(tmp_path / "src")
+    names = sorted(str(p.relative_to(src)) for p in src.rglob("*") if not p.is_dir())
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join(names + ["c0/missing.jpg"]) + "\n")
+    results = [scan_source(str(src), str(tmp_path / "out"), files_from=str(listing),
+                           label_from_dir=True, on_error="skip", scan_threads=t)
+               for t in (1, 8)]
+    a, b = ([(s.key, s.files) for s in r.samples] for r in results)
+    assert a == b and len(a) == 302  # the hidden file too: a list names what it packs
+    assert results[0].skipped == results[1].skipped
+    assert results[1].skipped == {"broken_symlink": 1, "unreadable": 1, "no_extension": 1}
+
+
+def test_no_stat_thread_outlives_the_scan(tmp_path: Path) -> None:
+    src = _tree(tmp_path / "src")
+    before = threading.active_count()
+    _walk(src, 8)
+    assert threading.active_count() == before
+    # A scan abandoned half-way (the packer stops at an error) shuts its pool down too.
+    w = Walk(str(src), str(tmp_path / "out"), label_from_dir=True, on_error="skip",
+             scan_threads=8)
+    it = iter(w)
+    next(it)
+    for _ in range(100):
+        next(it)
+    assert threading.active_count() > before  # the pool is running
+    it.close()
+    assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pack_is_the_same_with_threads(tmp_path: Path, workers: int) -> None:
+    src = _tree(tmp_path / "src")
+    outs = []
+    for t in (1, 8):
+        out = tmp_path / f"out{t}"
+        shardio.pack(src, out, label_from_dir=True, on_error="skip", samples_per_shard=40,
+                     workers=workers, scan_threads=t, fsync=False, progress=False)
+        outs.append(file_bytes(out))
+    assert outs[0].keys() == outs[1].keys()
+    for name in outs[0]:
+        assert outs[0][name] == outs[1][name], name
+
+
+def test_bad_thread_counts_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                            ) -> None:
+    src = _tree(tmp_path / "src", 10)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(UsageError, match="scan_threads"):
+            shardio.pack(src, tmp_path / "out", scan_threads=bad, progress=False)
+    assert not (tmp_path / "out").exists()
+    assert cli_main(["pack", str(src), str(tmp_path / "o2"), "--scan-threads", "0"]) == 2
+    assert "scan_threads" in capsys.readouterr().err
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys, threading, time
+    import shardio._scan as scan
+    seen = set()
+    real = scan._fetch_entries
+    def spy(entries, latency=0.0):
+        seen.add(threading.get_ident())
+        return real(entries, latency)
+    scan._fetch_entries = spy
+    out = {}
+    for threads in (None, 1):
+        w = scan.Walk(sys.argv[1], sys.argv[1] + "-out", label_from_dir=False, on_error="skip",
+                      scan_threads=threads)
+        seen.clear()
+        t = time.perf_counter()
+        keys = [s.key for s in w]
+        out[str(threads)] = {"threads": w.stats.threads, "fetching_threads": len(seen),
+                             "keys": keys, "seconds": time.perf_counter() - t}
+    print(json.dumps(out))
+""")
+
+
+def _child(src: Path, slow: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "SHARDIO_SLOW_STATS"}
+    if slow is not None:
+        env["SHARDIO_SLOW_STATS"] = slow
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(src)], env=env, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_slow_stats_turn_threads_on(tmp_path: Path) -> None:
+    src = write_files(tmp_path / "src", {f"d{i % 4}/f{i:04d}.bin": b"x" for i in range(400)})
+    got = _child(src, f"{src}:0.002")  # 2 ms a stat: a loaded metadata server
+    auto, one = got["None"], got["1"]
+    assert auto["threads"] == AUTO_SCAN_THREADS and auto["fetching_threads"] > 1
+    assert one["threads"] == 1 and one["fetching_threads"] == 1  # the simulated latency, in line
+    assert auto["keys"] == one["keys"] and len(one["keys"]) == 400
+    print(f"[scan] 400 stats at 2 ms: {one['seconds']:.2f} s in one thread, "
+          f"{auto['seconds']:.2f} s automatic ({AUTO_SCAN_THREADS} threads after the probe)")
+
+
+def test_fast_stats_keep_threads_off(tmp_path: Path) -> None:
+    src = write_files(tmp_path / "src", {f"d{i % 4}/f{i:04d}.bin": b"x" for i in range(400)})
+    auto = _child(src, None)["None"]
+    # Only the probe's 64 stats, in line; nothing fetched ahead after it.
+    assert auto["threads"] == 1 and auto["fetching_threads"] == 1
+
+
+def test_slow_stats_rule_must_parse(tmp_path: Path) -> None:
+    env = {**os.environ, "SHARDIO_SLOW_STATS": "/data:fast"}
+    proc = subprocess.run([sys.executable, "-c", "import shardio._inject"], env=env,
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "DIR:LATENCY" in proc.stderr
