@@ -22,7 +22,6 @@ import stat as stat_mod
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,7 +148,7 @@ class _Stats:
         self.decided = threads is not None
         self.probed = 0
         self.probe_s = 0.0
-        self._pool: ThreadPoolExecutor | None = None  # made at first use, after any fork
+        self._pool: Any = None  # a ThreadPoolExecutor, made at first use (after any fork)
         self._latency: dict[str, float] = {}
 
     @property
@@ -169,6 +168,9 @@ class _Stats:
         """``fn`` over chunks of ``items`` in the pool, results concatenated in order."""
         threads = self.threads or 1
         if self._pool is None:
+            # Imported here: ~5 ms of every pack's start otherwise, and most scans never need it.
+            from concurrent.futures import ThreadPoolExecutor
+
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shardio-stat")
         per = max(8, -(-len(items) // (threads * 4)))
         parts = self._pool.map(fn, [items[i:i + per] for i in range(0, len(items), per)])
