@@ -11,8 +11,10 @@ millions of files takes minutes to hours while the writers wait for their first 
 scan times its first :data:`_PROBE_STATS` stats; when they average :data:`_SLOW_STAT` or more, it
 fetches each directory's stats through :data:`AUTO_SCAN_THREADS` threads (a stat releases the
 GIL) before it reads them in order, so the samples and their order are the same.  On a local disk
-with the dentries cached a stat takes ~2 us, and threads would only add handoffs: they stay off.
-``scan_threads`` (``shardio pack --scan-threads``) sets the number instead (1: never).
+with the dentries cached a stat takes ~2 us, and threads would only add handoffs: they stay off,
+and the scan times its stats again every :data:`_REPROBE_STATS` (the first directory's may have
+been cached by an ``ls``, or a slow mount may lie further down the tree).  ``scan_threads``
+(``shardio pack --scan-threads``) sets the number instead (1: never).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 # Stats in threads (see the module docstring).
 AUTO_SCAN_THREADS = 16
 _PROBE_STATS = 64  # stats timed before the scan decides
+_REPROBE_STATS = 4096  # stats in one thread after which an automatic scan times them again
 _SLOW_STAT = 50e-6  # mean seconds a stat takes from which threads pay
 _MIN_POOLED = 16  # fewer stats than this in a directory are not worth the pool
 
@@ -145,9 +148,12 @@ class _Stats:
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise UsageError(f"scan_threads must be an integer >= 1, got {threads!r}")
         self.threads = threads
-        self.decided = threads is not None
+        self.auto = threads is None
+        self.decided = not self.auto
         self.probed = 0
         self.probe_s = 0.0
+        self.unprobed = 0  # stats made in one thread since the automatic decision
+        self.probes = 0  # decisions made (tests)
         self._pool: Any = None  # a ThreadPoolExecutor, made at first use (after any fork)
         self._latency: dict[str, float] = {}
 
@@ -155,14 +161,27 @@ class _Stats:
     def pooled(self) -> bool:
         return self.decided and (self.threads or 1) > 1
 
-    def _probe(self, fetch: Callable[[], Any], n: int) -> None:
+    def _probe(self, fetch: Callable[[Any, Any], list[Any]], items: Sequence[Any],
+               latency: Any) -> list[Any]:
+        """``fetch(items, latency)``, timed towards the decision."""
         t = time.perf_counter()
-        fetch()
+        got = fetch(items, latency)
         self.probe_s += time.perf_counter() - t
-        self.probed += n
+        self.probed += len(items)
         if self.probed >= _PROBE_STATS:
             self.decided = True
+            self.probes += 1
             self.threads = AUTO_SCAN_THREADS if self.probe_s / self.probed >= _SLOW_STAT else 1
+        return got
+
+    def _passed(self, n: int) -> None:
+        """``n`` more stats were made in one thread: after :data:`_REPROBE_STATS` of them, an
+        automatic scan times the next ones again."""
+        if not self.auto or self.pooled:
+            return
+        self.unprobed += n
+        if self.unprobed >= _REPROBE_STATS:
+            self.decided, self.probed, self.probe_s, self.unprobed = False, 0, 0.0, 0
 
     def _map(self, fn: Callable[[Any], list[Any]], items: Sequence[Any]) -> list[Any]:
         """``fn`` over chunks of ``items`` in the pool, results concatenated in order."""
@@ -191,12 +210,16 @@ class _Stats:
         before the walk reads them in order: in the pool once stats proved slow; timed while
         that is undecided; with the simulated latency when one is set."""
         lat = self._dir_latency(directory) if _inject.STATS_ACTIVE else 0.0
-        if self.decided and not self.pooled and not lat:
-            return
+        if self.decided and not self.pooled:
+            self._passed(len(entries))
+            if not lat:
+                return
         todo = [e for e in entries if e.name[0] != "."]
         if not self.decided and todo:
             head, todo = todo[:_PROBE_STATS - self.probed], todo[_PROBE_STATS - self.probed:]
-            self._probe(lambda: _fetch_entries(head, lat), len(head))
+            self._probe(_fetch_entries, head, lat)
+            if self.decided and not self.pooled:
+                self._passed(len(todo))  # the rest, fetched by the walk itself
         if not todo:
             return
         if self.pooled and len(todo) >= _MIN_POOLED:
@@ -208,14 +231,17 @@ class _Stats:
         """``os.stat`` of each of ``paths`` in order, the ``OSError`` in place of a failed one."""
         lat = self.latency if _inject.STATS_ACTIVE else None
         out: list[os.stat_result | OSError] = []
-        rest = paths
-        if not self.decided and rest:
-            head, rest = rest[:_PROBE_STATS], rest[_PROBE_STATS:]
-            self._probe(lambda: out.extend(_stat_paths(head, lat)), len(head))
-        if self.pooled and len(rest) >= _MIN_POOLED:
-            out += self._map(lambda chunk: _stat_paths(chunk, lat), rest)
-        else:
-            out += _stat_paths(rest, lat)
+        for at in range(0, len(paths), _REPROBE_STATS):
+            rest = paths[at:at + _REPROBE_STATS]
+            if not self.decided:
+                head, rest = rest[:_PROBE_STATS - self.probed], rest[_PROBE_STATS - self.probed:]
+                out += self._probe(_stat_paths, head, lat)
+            if self.pooled and len(rest) >= _MIN_POOLED:
+                out += self._map(lambda chunk: _stat_paths(chunk, lat), rest)
+            else:
+                out += _stat_paths(rest, lat)
+                if self.decided:
+                    self._passed(len(rest))
         return out
 
     def close(self) -> None:

@@ -115,8 +115,8 @@ class PackOptions:
             the job fingerprint: the merged dataset is the same for any ``N``.
         scan_threads: threads that fetch the scan's stats (a parallel filesystem answers
             each one in ~0.1-1 ms); ``None`` (default): the scan times its first stats and uses
-            16 threads when they average 50 us or more, else none; ``1``: never.  Not part of
-            the job fingerprint.
+            16 threads when they average 50 us or more, else none (and times them again every
+            4096 stats); ``1``: never.  Not part of the job fingerprint.
     """
 
     format: str = "tar"

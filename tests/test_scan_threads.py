@@ -135,7 +135,8 @@ _CHILD = textwrap.dedent("""
         t = time.perf_counter()
         keys = [s.key for s in w]
         out[str(threads)] = {"threads": w.stats.threads, "fetching_threads": len(seen),
-                             "keys": keys, "seconds": time.perf_counter() - t}
+                             "keys": keys, "seconds": time.perf_counter() - t,
+                             "probes": w.stats.probes}
     print(json.dumps(out))
 """)
 
@@ -168,8 +169,42 @@ def test_fast_stats_keep_threads_off(tmp_path: Path) -> None:
     assert auto["threads"] == 1 and auto["fetching_threads"] == 1
 
 
+def test_a_slow_mount_further_down_is_found(tmp_path: Path) -> None:
+    # The first folder answers at local speed (its dentries cached, say), the second slowly: the
+    # automatic scan decides on one thread, times its stats again after 4096 and turns the
+    # threads on for the slow folder.
+    files = {f"a/f{i:05d}.bin": b"" for i in range(4200)}
+    files.update({f"b/f{i:04d}.bin": b"" for i in range(300)})
+    src = write_files(tmp_path / "src", files)
+    got = _child(src, f"{src / 'b'}:0.002")
+    auto, one = got["None"], got["1"]
+    assert auto["probes"] == 2 and auto["threads"] == AUTO_SCAN_THREADS
+    assert auto["fetching_threads"] > 1
+    assert auto["keys"] == one["keys"] and len(auto["keys"]) == 4500
+
+
 def test_slow_stats_rule_must_parse(tmp_path: Path) -> None:
     env = {**os.environ, "SHARDIO_SLOW_STATS": "/data:fast"}
     proc = subprocess.run([sys.executable, "-c", "import shardio._inject"], env=env,
                           cwd=str(ROOT), capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "DIR:LATENCY" in proc.stderr
+
+
+def test_stats_of_a_long_list_come_back_in_order(tmp_path: Path) -> None:
+    from shardio._scan import _Stats
+
+    src = write_files(tmp_path / "src", {f"d/f{i:05d}.bin": bytes(i % 50) for i in range(5000)})
+    paths = sorted(str(p) for p in (src / "d").iterdir()) * 2  # 10,000 stats
+    paths.insert(17, str(src / "d" / "missing.bin"))
+    for threads in (None, 1, 8):
+        stats = _Stats(threads)
+        try:
+            got = stats.paths(paths)
+        finally:
+            stats.close()
+        assert len(got) == len(paths)
+        assert isinstance(got[17], FileNotFoundError)
+        assert [g.st_size for i, g in enumerate(got) if i != 17] == \
+            [os.stat(p).st_size for i, p in enumerate(paths) if i != 17]
+        if threads is None:  # local speed: one thread, timed again after 4096 stats
+            assert (stats.threads, stats.probes) == (1, 2)
