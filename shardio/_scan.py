@@ -324,6 +324,9 @@ class Walk:
                 return
             self.stats.entries(path, entries)  # their stats, fetched ahead when that pays
             groups, subdirs = self._list(path, dfd, rel, ancestors, entries)
+            # Let the entries (and the stats they cache) go before the walk goes down: this
+            # frame lives until every directory below has been walked.
+            del entries
         finally:
             os.close(dfd)
         prefix = f"{rel}/" if rel else ""
