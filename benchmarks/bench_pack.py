@@ -12,11 +12,12 @@ order rotated each round):
   (``compileall``), as ``pip install`` leaves them: under ``PYTHONDONTWRITEBYTECODE=1`` every run
   would otherwise compile them from source (~35 ms of a ~0.45 s run);
 * ``shardio_hdf5_w{1,2}_nofsync``: the same with ``--format hdf5 --no-fsync``;
-* ``shardio_tar_w1_slowstat_{1thread,auto}``: ``shardio_tar_w1_nofsync`` on a simulated parallel
-  filesystem whose every stat takes ``--stat-latency`` seconds (default 0.5 ms, a loaded Lustre
-  metadata server; ``SHARDIO_SLOW_STATS``, :mod:`shardio._inject`), with ``--scan-threads 1`` and
-  with the default (the scan turns its stat threads on by itself); ``--stat-latency 0`` leaves
-  them out;
+* ``shardio_tar_w1_slowfs_{1thread,auto}``: ``shardio_tar_w1_nofsync`` on a simulated parallel
+  filesystem whose every stat, and every file read, first waits ``--fs-latency`` seconds (default
+  0.5 ms, a loaded Lustre; ``SHARDIO_SLOW_STATS`` and ``SHARDIO_SLOW_READS``,
+  :mod:`shardio._inject`), with ``--scan-threads 1`` and with the default (the scan turns its
+  stat threads on by itself, and the workers read with as many); ``--fs-latency 0`` leaves them
+  out;
 * ``webdataset_shardwriter``: ``webdataset.ShardWriter("OUT/%06d.tar", maxsize=64e6)`` fed
   ``{"__key__", "jpg", "cls"}`` samples.  It runs in a child process (so its memory is measurable
   and does not mix with this script's), timed *inside* the child around listing, reading and
@@ -63,7 +64,7 @@ from benchmarks._common import add_output_args, emit, run_in_workdir  # noqa: E4
 from benchmarks._common import dist_version as _dist_version  # noqa: E402
 
 SHARD_SIZE = "64MB"
-STAT_LATENCY = 0.0005
+FS_LATENCY = 0.0005
 WDS_MAXSIZE = 64e6
 QUICK = {"files": 600, "classes": 10, "repeat": 1}
 DEFAULTS = {"files": 20000, "classes": 100, "repeat": 3}
@@ -364,9 +365,9 @@ def summary_line(lines: dict[str, dict[str, Any]], files: int, payload: int,
         "hdf5_w1_vs_shardio_tar_w1": ratio("shardio_hdf5_w1_nofsync", w1),
         "hdf5_w2_vs_w1": ratio("shardio_hdf5_w2_nofsync", "shardio_hdf5_w1_nofsync"),
     }
-    if "shardio_tar_w1_slowstat_auto" in lines:
-        ratios["slowstat_auto_vs_1thread"] = ratio("shardio_tar_w1_slowstat_auto",
-                                                   "shardio_tar_w1_slowstat_1thread")
+    if "shardio_tar_w1_slowfs_auto" in lines:
+        ratios["slowfs_auto_vs_1thread"] = ratio("shardio_tar_w1_slowfs_auto",
+                                                 "shardio_tar_w1_slowfs_1thread")
     ratios.update({f"shardio_w1_vs_{name}": ratio(w1, name) for name in PEER_WRITERS
                    if name in lines})
     return {
@@ -419,9 +420,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--files", type=int, default=None, help="files to generate (default 20000)")
     p.add_argument("--classes", type=int, default=None, help="class folders (default 100)")
     p.add_argument("--repeat", type=int, default=None, help="runs per contender (default 3)")
-    p.add_argument("--stat-latency", type=float, default=STAT_LATENCY,
-                   help=f"seconds each stat takes in the slow-metadata contenders (default "
-                   f"{STAT_LATENCY}; 0: leave them out)")
+    p.add_argument("--fs-latency", type=float, default=FS_LATENCY,
+                   help=f"seconds each stat and each file read waits in the slow-filesystem "
+                   f"contenders (default {FS_LATENCY}; 0: leave them out)")
     add_output_args(p, f"smoke configuration: {QUICK['files']} files, repeat {QUICK['repeat']}")
     p.add_argument("--webdataset-child", nargs=2, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--peer-child", nargs=3, metavar=("NAME", "SRC", "OUT"), help=argparse.SUPPRESS)
@@ -438,17 +439,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_files = a.files if a.files is not None else base["files"]
     n_classes = a.classes if a.classes is not None else base["classes"]
     repeat = a.repeat if a.repeat is not None else base["repeat"]
-    if n_files < 1 or n_classes < 1 or repeat < 1 or a.stat_latency < 0:
-        print("bench_pack: --files, --classes and --repeat must be >= 1, --stat-latency >= 0",
+    if n_files < 1 or n_classes < 1 or repeat < 1 or a.fs_latency < 0:
+        print("bench_pack: --files, --classes and --repeat must be >= 1, --fs-latency >= 0",
               file=sys.stderr)
         return 2
     return run_in_workdir("shardio-bench-pack-", a.workdir, a.keep,
                           lambda work: _bench(work, n_files, n_classes, repeat, a.json_out,
-                                              a.stat_latency))
+                                              a.fs_latency))
 
 
 def _bench(work: str, n_files: int, n_classes: int, repeat: int, json_out: str | None,
-           stat_latency: float = STAT_LATENCY) -> int:
+           fs_latency: float = FS_LATENCY) -> int:
     load_start = os.getloadavg()[0]
     src = os.path.join(work, "src")
     t0 = time.perf_counter()
@@ -464,14 +465,15 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, json_out: str |
         contenders.append(Contender(name, _shardio(src, files, payload, fmt, workers, fsync),
                                     {"tool": "shardio", "format": fmt, "workers": workers,
                                      "fsync": fsync}))
-    if stat_latency > 0:
-        slow = {**os.environ, "SHARDIO_SLOW_STATS": f"{src}:{stat_latency}"}
+    if fs_latency > 0:
+        slow = {**os.environ, "SHARDIO_SLOW_STATS": f"{src}:{fs_latency}",
+                "SHARDIO_SLOW_READS": f"{src}:100GB:{fs_latency}"}
         for mode, extra in [("1thread", ["--scan-threads", "1"]), ("auto", [])]:
             contenders.append(Contender(
-                f"shardio_tar_w1_slowstat_{mode}",
+                f"shardio_tar_w1_slowfs_{mode}",
                 _shardio(src, files, payload, "tar", 1, False, extra, slow),
                 {"tool": "shardio", "format": "tar", "workers": 1, "fsync": False,
-                 "stat_latency_s": stat_latency, "scan_threads": 1 if extra else "auto"}))
+                 "fs_latency_s": fs_latency, "scan_threads": 1 if extra else "auto"}))
     contenders.append(Contender("webdataset_shardwriter", _webdataset(src, files),
                                 {"tool": "webdataset", "fsync": False, "workers": 1,
                                  "timing": "in-process, import excluded"}))

@@ -1,4 +1,4 @@
-"""Slow storage, simulated: a delay added to shardio's own reads (and scans) under given directories.
+"""Slow storage, simulated: delays added to shardio's own reads and scans under given directories.
 
 For benchmarks and demos that need a slow shared filesystem on a machine that has none (the
 staging benchmark measures a node-local cache against it).  Set before the process starts::
@@ -27,7 +27,7 @@ import time
 from ._fsutil import parse_size
 from .errors import UsageError
 
-__all__ = ["ACTIVE", "STATS_ACTIVE", "delay", "parse_rules", "stat_latency"]
+__all__ = ["ACTIVE", "STATS_ACTIVE", "covers", "delay", "parse_rules", "stat_latency"]
 
 ENV = "SHARDIO_SLOW_READS"
 STATS_ENV = "SHARDIO_SLOW_STATS"
@@ -68,6 +68,11 @@ def _rule_for(path: str) -> tuple[float, float] | None:
         rule = next(((bw, lat) for prefix, bw, lat in _RULES if real.startswith(prefix)), None)
         _MATCH[path] = rule
         return rule
+
+
+def covers(path: str) -> bool:
+    """Whether reads of ``path`` are slowed (a rule of ``SHARDIO_SLOW_READS`` covers it)."""
+    return ACTIVE and _rule_for(path) is not None
 
 
 def delay(path: str, nbytes: int) -> None:

@@ -31,12 +31,15 @@ Write = Callable[["Task"], tuple[WrittenShard, Counter[str]]]
 
 @dataclass
 class Task:
-    """One shard to write: its global number, final path, samples and fingerprint."""
+    """One shard to write: its global number, final path, samples and fingerprint, and how
+    many threads read its files (more than one where the source answers slowly: see
+    ``shardio.packer._ReadAhead``)."""
 
     number: int
     final: str
     samples: list[Sample]
     fingerprint: str
+    read_threads: int = 1
 
 
 def _send(fd: int, obj: Any) -> None:
@@ -52,7 +55,7 @@ def _task_message(task: Task) -> bytes:
     """A task as a worker receives it: ``marshal`` of plain tuples (~5x faster than pickling
     the samples), behind an 8-byte length."""
     data = marshal.dumps((task.number, task.final, task.fingerprint,
-                          [(s.key, s.files, s.label) for s in task.samples]))
+                          [(s.key, s.files, s.label) for s in task.samples], task.read_threads))
     return len(data).to_bytes(8, "little") + data
 
 
@@ -79,8 +82,8 @@ def _child(tasks_fd: int, write: Write, fd: int) -> None:
             body = _read_exactly(tasks_fd, int.from_bytes(head, "little"))
             if body is None:
                 raise EOFError("pipe closed between a task's length and its body")
-            number, final, fingerprint, rows = marshal.loads(body)
-            task = Task(number, final, [Sample(*r) for r in rows], fingerprint)
+            number, final, fingerprint, rows, read_threads = marshal.loads(body)
+            task = Task(number, final, [Sample(*r) for r in rows], fingerprint, read_threads)
             _send(fd, write(task))
     except BaseException as exc:  # noqa: BLE001  (KeyboardInterrupt too: the parent re-raises it)
         code = 1

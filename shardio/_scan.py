@@ -72,6 +72,9 @@ class ScanResult:
     labels: list[str] | None
     files: int
     skipped: Counter[str] = field(default_factory=Counter)
+    # Threads the scan fetched its stats through in the end (1: none); the pack reads the
+    # files with as many (see shardio.packer._ReadAhead).
+    threads: int = 1
 
 
 class _Problems:
@@ -160,6 +163,11 @@ class _Stats:
     @property
     def pooled(self) -> bool:
         return self.decided and (self.threads or 1) > 1
+
+    @property
+    def in_use(self) -> int:
+        """The threads stats go through now (1: none, or not decided yet)."""
+        return (self.threads or 1) if self.pooled else 1
 
     def _probe(self, fetch: Callable[[Any, Any], list[Any]], items: Sequence[Any],
                latency: Any) -> list[Any]:
@@ -488,9 +496,10 @@ def scan_source(
         walk = Walk(src, out, label_from_dir=label_from_dir, on_error=on_error,
                     scan_threads=scan_threads)
         samples = list(walk)
-        return ScanResult(samples, walk.labels, walk.files, walk.skipped)
+        return ScanResult(samples, walk.labels, walk.files, walk.skipped, walk.stats.in_use)
     problem = _Problems(on_error)
-    files = _from_list(src, files_from, problem, _Stats(scan_threads))
+    stats = _Stats(scan_threads)
+    files = _from_list(src, files_from, problem, stats)
     # key -> its one file (the common case: no dict per key), or {field: file} for several.
     by_key: dict[str, _File | dict[str, _File]] = {}
     for d, base, path, size, mtime in files:
@@ -545,4 +554,4 @@ def scan_source(
             + (f"; skipped: {dict(problem.skipped)}" if problem.skipped else "")
             + "; point SRC at the directory holding the files (hidden files are ignored)"
         )
-    return ScanResult(samples, labels, len(files), problem.skipped)
+    return ScanResult(samples, labels, len(files), problem.skipped, stats.in_use)

@@ -46,8 +46,9 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     pk.add_argument("--samples-per-shard", type=int, default=None)
     pk.add_argument("--workers", type=int, default=1, help="writer processes (default 1)")
     pk.add_argument("--scan-threads", type=int, default=None, metavar="N",
-                    help="threads that stat the source files (default: 16 when the first stats "
-                    "are slow, as on a parallel filesystem, else none; 1: never)")
+                    help="threads that stat the source files, and then read them (default: 16 "
+                    "when the first stats are slow, as on a parallel filesystem, else none; 1: "
+                    "never)")
     pk.add_argument("--compress", default=None, help="none | zstd | zstd:LEVEL")
     pk.add_argument("--zstd-dict", action="store_true", help="train and store a zstd dictionary")
     pk.add_argument("--label-from-dir", action="store_true",

@@ -116,7 +116,9 @@ class PackOptions:
         scan_threads: threads that fetch the scan's stats (a parallel filesystem answers
             each one in ~0.1-1 ms); ``None`` (default): the scan times its first stats and uses
             16 threads when they average 50 us or more, else none (and times them again every
-            4096 stats); ``1``: never.  Not part of the job fingerprint.
+            4096 stats); ``1``: never.  A shard cut while the scan uses threads has its files
+            read by as many threads too (each small file's open and read is a round trip
+            there).  Not part of the job fingerprint.
     """
 
     format: str = "tar"

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from . import __version__
+from . import __version__, _inject
 from ._fsutil import (
     atomic_write_bytes,
 )
@@ -131,6 +131,56 @@ def _read_file(path: str, size: int = 0) -> bytes:
         ) from exc
 
 
+def _read_sample(s: Sample) -> list[tuple[str, bytes]]:
+    """A sample's fields as read from its files (raises :class:`UnreadableFileError`)."""
+    fields = []
+    for name, path, size, _mtime in s.files:
+        data = _read_file(path, size)
+        if _inject.ACTIVE:
+            _inject.delay(path, len(data))
+        fields.append((name, data))
+    return fields
+
+
+class _ReadAhead:
+    """The files of a shard's samples, read by ``threads`` threads ahead of the writer, handed
+    out in order.
+
+    On a parallel filesystem opening and reading a small file is a round trip or two (~0.5-2
+    ms), so one reader manages a few hundred files a second whatever the bandwidth.  A pack
+    uses this where its scan found the source slow (``ScanResult.threads``; a read releases the
+    GIL).  The samples then go through the writer's ``add``, the reference the C loop is
+    tested against, so the shard is the same.  At most ``ahead_bytes`` (and ``4 x threads``
+    samples, the one being written included) are in flight at once.
+    """
+
+    def __init__(self, samples: list[Sample], threads: int, ahead_bytes: int = 64 << 20) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.samples, self.threads, self.ahead_bytes = samples, threads, ahead_bytes
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="shardio-read")
+        self.pending: dict[int, tuple[Any, int]] = {}  # index -> (future, its scan size)
+        self.queued = 0  # bytes pending
+        self.next = 0
+
+    def get(self, i: int) -> list[tuple[str, bytes]]:
+        """Sample ``i``'s fields (``i`` counting up from 0, each once; raises what reading it
+        raised)."""
+        while self.next < len(self.samples) and (
+                self.next <= i or (len(self.pending) < 4 * self.threads
+                                   and self.queued < self.ahead_bytes)):
+            s = self.samples[self.next]
+            self.pending[self.next] = (self.pool.submit(_read_sample, s), s.size)
+            self.queued += s.size
+            self.next += 1
+        future, size = self.pending.pop(i)
+        self.queued -= size
+        return future.result()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
                 on_error: str, layout: LayoutRequest | None = None
                 ) -> tuple[int, WrittenShard, Counter[str]]:
@@ -147,6 +197,13 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
     # handle (a file it cannot read, a name that needs a pax header, ...) to the code below.
     add_files = writer.add_files
     samples = task.samples if isinstance(task.samples, list) else list(task.samples)
+    ahead = None
+    if task.read_threads > 1:  # a slow source: its files read in threads (see _ReadAhead)
+        ahead, add_files = _ReadAhead(samples, task.read_threads), None
+    # A simulated slow store (SHARDIO_SLOW_READS) under the source: every read pays its delay.
+    slow_store = bool(samples and samples[0].files) and _inject.covers(samples[0].files[0][1])
+    if slow_store:
+        add_files = None
     i, n = 0, len(samples)
     try:
         while i < n:
@@ -158,27 +215,35 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
             i += 1
             fields: list[tuple[str, bytes]] = []
             try:
-                for name, path, size, _mtime in s.files:
-                    # _read_file inlined for the common case (~10% of a pack's time is this loop);
-                    # any error or a file that grew goes through _read_file for its handling.
-                    d, _sep, base = path.rpartition(os.sep)
-                    if d != cur_dir:
-                        if dfd >= 0:
-                            cl(dfd)
-                        cur_dir, dfd = d, -1
-                        dfd = _open_dir(d)
-                    try:
-                        fd = op(base, _O_READ, dir_fd=dfd) if dfd >= 0 else op(path, _O_READ)
+                if ahead is not None:
+                    fields = ahead.get(i - 1)
+                elif slow_store:
+                    fields = _read_sample(s)
+                else:
+                    for name, path, size, _mtime in s.files:
+                        # _read_file inlined for the common case (~10% of a pack's time is this
+                        # loop); an error or a file that grew goes through _read_file for its
+                        # handling.
+                        d, _sep, base = path.rpartition(os.sep)
+                        if d != cur_dir:
+                            if dfd >= 0:
+                                cl(dfd)
+                            cur_dir, dfd = d, -1
+                            dfd = _open_dir(d)
                         try:
-                            data = rd(fd, size + 1)
-                        finally:
-                            cl(fd)
-                    except OSError:
-                        data = _read_file(path, size)  # a second try, raising the typed error
-                    else:
-                        if len(data) > size:
+                            fd = (op(base, _O_READ, dir_fd=dfd) if dfd >= 0
+                                  else op(path, _O_READ))
+                            try:
+                                data = rd(fd, size + 1)
+                            finally:
+                                cl(fd)
+                        except OSError:
+                            # A second try, raising the typed error.
                             data = _read_file(path, size)
-                    fields.append((name, data))
+                        else:
+                            if len(data) > size:
+                                data = _read_file(path, size)
+                        fields.append((name, data))
             except UnreadableFileError:
                 if on_error == "raise":
                     raise
@@ -200,6 +265,8 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
         writer.abort()
         raise
     finally:
+        if ahead is not None:
+            ahead.close()
         if dfd >= 0:
             cl(dfd)
     if fmt != "tar":  # an HDF5 shard's digest has no .idx to travel in
@@ -353,7 +420,8 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
     claims = {state["dictionary_digest"]} if state.get("dictionary_digest") else set()
     codec = _codec(out, scan.samples, options, claims)
     _write_state(out, options, job, len(ranges), codec, fsync=options.fsync)
-    tasks = _make_tasks(scan.samples, docs, ranges, range(len(ranges)), out, options)
+    tasks = _make_tasks(scan.samples, docs, ranges, range(len(ranges)), out, options,
+                        scan.threads)
     bar = _progress_bar(progress, sum(s.size for s in scan.samples), f"packing {scan.files} files")
     written, skipped, layout_note, _kept = _write_shards(tasks, options, codec, out, bar)
     skipped.update(scan.skipped)
@@ -419,8 +487,10 @@ def _stream_tasks(samples: Iterable[Sample], options: PackOptions, out: str, job
     def task() -> _Task:
         entries = ",".join(_sample_docs(chunk))
         job.add(entries)
+        stats = getattr(samples, "stats", None)  # a Walk: read as many threads as it stats with
         return _Task(n, os.path.join(out, f"{options.prefix}-{n:06d}{suffix}"), chunk,
-                     _shard_fingerprint(options_text, n, entries))
+                     _shard_fingerprint(options_text, n, entries),
+                     stats.in_use if stats is not None else 1)
 
     for s in samples:
         size = estimate(s)
@@ -456,7 +526,8 @@ def _codec(out: str, samples: list[Sample], options: PackOptions, claims: set[st
 
 
 def _make_tasks(samples: list[Sample], docs: list[str], ranges: list[tuple[int, int]],
-                numbers: range, out: str, options: PackOptions) -> list[_Task]:
+                numbers: range, out: str, options: PackOptions, read_threads: int = 1
+                ) -> list[_Task]:
     """The write tasks of global shards ``numbers`` (their names and fingerprints are global,
     so a shard is the same file whichever process, or part, writes it); ``docs`` are the
     samples' job-document entries."""
@@ -467,7 +538,7 @@ def _make_tasks(samples: list[Sample], docs: list[str], ranges: list[tuple[int, 
         a, b = ranges[n]
         fp = _shard_fingerprint(options_text, n, ",".join(docs[a:b]))
         tasks.append(_Task(n, os.path.join(out, f"{options.prefix}-{n:06d}{suffix}"),
-                           samples[a:b], fp))
+                           samples[a:b], fp, read_threads))
     return tasks
 
 

@@ -186,7 +186,8 @@ def _pack_part(jb: _Job, part: tuple[int, int], progress: bool | None) -> PartRe
     dict_digest = digest_bytes(codec.dictionary) if codec.dictionary else None
     if dict_digest:
         write_state(dict_digest)
-    tasks = _make_tasks(jb.scan.samples, jb.docs, jb.ranges, range(first, stop), out, options)
+    tasks = _make_tasks(jb.scan.samples, jb.docs, jb.ranges, range(first, stop), out, options,
+                        jb.scan.threads)
     bar = _progress_bar(progress, sum(s.size for t in tasks for s in t.samples),
                         f"packing part {index}/{parts} "
                         f"(shards {first}..{max(first, stop - 1)})")

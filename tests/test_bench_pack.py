@@ -18,12 +18,12 @@ SCRIPT = ROOT / "benchmarks" / "bench_pack.py"
 CONTENDERS = {
     "tar", "shardio_tar_w1_fsync", "shardio_tar_w1_nofsync", "shardio_tar_w2_fsync",
     "shardio_tar_w2_nofsync", "shardio_hdf5_w1_nofsync", "shardio_hdf5_w2_nofsync",
-    "webdataset_shardwriter", "shardio_tar_w1_slowstat_1thread", "shardio_tar_w1_slowstat_auto",
+    "webdataset_shardwriter", "shardio_tar_w1_slowfs_1thread", "shardio_tar_w1_slowfs_auto",
 }
 NUMBERS = ("seconds", "files_per_s", "mb_per_s", "median_seconds", "median_files_per_s",
            "median_mb_per_s", "cpu_seconds")
 RATIOS = ("shardio_w1_vs_tar", "shardio_w1_vs_webdataset", "w2_vs_w1", "shardio_w1_fsync_vs_tar",
-          "hdf5_w1_vs_tar", "hdf5_w2_vs_w1", "slowstat_auto_vs_1thread")
+          "hdf5_w1_vs_tar", "hdf5_w2_vs_w1", "slowfs_auto_vs_1thread")
 PEER_WRITERS = {"mosaic_mdswriter": "mosaic", "litdata_optimize": "litdata"}
 TARGETS = ("shardio_w1_ge_tar", "shardio_ge_2x_webdataset", "w2_ge_1_6x_w1")
 
