@@ -32,8 +32,9 @@ Write = Callable[["Task"], tuple[WrittenShard, Counter[str]]]
 @dataclass
 class Task:
     """One shard to write: its global number, final path, samples and fingerprint, and how
-    many threads read its files (more than one where the source answers slowly: see
-    ``shardio.packer._ReadAhead``)."""
+    its files are read (``shardio.packer._ReadAhead``): ``read_threads`` threads when more than
+    one (the scan found the source slow), one when 1, and 0 for "time the first reads and use
+    threads if they are slow"."""
 
     number: int
     final: str

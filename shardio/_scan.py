@@ -72,8 +72,8 @@ class ScanResult:
     labels: list[str] | None
     files: int
     skipped: Counter[str] = field(default_factory=Counter)
-    # Threads the scan fetched its stats through in the end (1: none); the pack reads the
-    # files with as many (see shardio.packer._ReadAhead).
+    # How the pack reads the files (shardio._packpool.Task.read_threads): the threads the scan
+    # fetched its stats through in the end, or 0 (automatic: the reads decide) or 1 (never).
     threads: int = 1
 
 
@@ -165,9 +165,12 @@ class _Stats:
         return self.decided and (self.threads or 1) > 1
 
     @property
-    def in_use(self) -> int:
-        """The threads stats go through now (1: none, or not decided yet)."""
-        return (self.threads or 1) if self.pooled else 1
+    def read_threads(self) -> int:
+        """How the pack should read the files (``Task.read_threads``): the threads stats go
+        through now; else 0 (let the reads decide: an automatic scan) or 1 (never)."""
+        if self.pooled:
+            return self.threads or 1
+        return 0 if self.auto else 1
 
     def _probe(self, fetch: Callable[[Any, Any], list[Any]], items: Sequence[Any],
                latency: Any) -> list[Any]:
@@ -496,7 +499,8 @@ def scan_source(
         walk = Walk(src, out, label_from_dir=label_from_dir, on_error=on_error,
                     scan_threads=scan_threads)
         samples = list(walk)
-        return ScanResult(samples, walk.labels, walk.files, walk.skipped, walk.stats.in_use)
+        return ScanResult(samples, walk.labels, walk.files, walk.skipped,
+                          walk.stats.read_threads)
     problem = _Problems(on_error)
     stats = _Stats(scan_threads)
     files = _from_list(src, files_from, problem, stats)
@@ -554,4 +558,4 @@ def scan_source(
             + (f"; skipped: {dict(problem.skipped)}" if problem.skipped else "")
             + "; point SRC at the directory holding the files (hidden files are ignored)"
         )
-    return ScanResult(samples, labels, len(files), problem.skipped, stats.in_use)
+    return ScanResult(samples, labels, len(files), problem.skipped, stats.read_threads)

@@ -118,7 +118,8 @@ class PackOptions:
             16 threads when they average 50 us or more, else none (and times them again every
             4096 stats); ``1``: never.  A shard cut while the scan uses threads has its files
             read by as many threads too (each small file's open and read is a round trip
-            there).  Not part of the job fingerprint.
+            there); otherwise a worker times its first reads and goes on in threads if they
+            are slow.  Not part of the job fingerprint.
     """
 
     format: str = "tar"

@@ -50,6 +50,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -61,7 +62,7 @@ from ._fsutil import (
     atomic_write_bytes,
 )
 from ._packpool import Task as _Task
-from ._scan import LABEL_FIELD, Sample, Walk, scan_source
+from ._scan import AUTO_SCAN_THREADS, LABEL_FIELD, Sample, Walk, scan_source
 from .checksum import DEFAULT_DIGEST, digest_bytes
 from .codec import Codec, train_dictionary
 from .config import PackOptions, parse_parity
@@ -107,6 +108,15 @@ if TYPE_CHECKING:
 __all__ = ["pack", "plan_shards"]
 
 _O_READ = os.O_RDONLY | os.O_CLOEXEC
+# A shard whose reads the scan left to decide (Task.read_threads 0) times its first
+# _READ_PROBE samples, and reads the rest in threads when they took more than _SLOW_FILE a file
+# beyond what _READ_BANDWIDTH would explain (a local read of a cached 20 KB file takes ~5 us).
+_READ_PROBE = 64
+_SLOW_FILE = 200e-6
+_READ_BANDWIDTH = 1e9
+# Set once a shard of this pack, in this process, found its reads slow: later shards start in
+# threads without a probe (reset when a pack starts writing, before it forks its workers).
+_SLOW_SOURCE = [False]
 
 
 def _read_file(path: str, size: int = 0) -> bytes:
@@ -148,20 +158,22 @@ class _ReadAhead:
 
     On a parallel filesystem opening and reading a small file is a round trip or two (~0.5-2
     ms), so one reader manages a few hundred files a second whatever the bandwidth.  A pack
-    uses this where its scan found the source slow (``ScanResult.threads``; a read releases the
-    GIL).  The samples then go through the writer's ``add``, the reference the C loop is
+    uses this where its scan found the source slow (``Task.read_threads``), or where a shard's
+    first reads were (:func:`_slow_reads`); a read releases the GIL.  The samples then go
+    through the writer's ``add``, the reference the C loop is
     tested against, so the shard is the same.  At most ``ahead_bytes`` (and ``4 x threads``
     samples, the one being written included) are in flight at once.
     """
 
-    def __init__(self, samples: list[Sample], threads: int, ahead_bytes: int = 64 << 20) -> None:
+    def __init__(self, samples: list[Sample], threads: int, ahead_bytes: int = 64 << 20,
+                 start: int = 0) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.samples, self.threads, self.ahead_bytes = samples, threads, ahead_bytes
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="shardio-read")
         self.pending: dict[int, tuple[Any, int]] = {}  # index -> (future, its scan size)
         self.queued = 0  # bytes pending
-        self.next = 0
+        self.next = start  # the first sample it will be asked for
 
     def get(self, i: int) -> list[tuple[str, bytes]]:
         """Sample ``i``'s fields (``i`` counting up from 0, each once; raises what reading it
@@ -179,6 +191,13 @@ class _ReadAhead:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _slow_reads(samples: list[Sample], seconds: float) -> bool:
+    """Whether reading (and adding) ``samples`` in ``seconds`` was latency-bound."""
+    files = sum(len(s.files) for s in samples)
+    nbytes = sum(s.size for s in samples)
+    return seconds >= files * _SLOW_FILE + nbytes / _READ_BANDWIDTH
 
 
 def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
@@ -200,6 +219,11 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
     ahead = None
     if task.read_threads > 1:  # a slow source: its files read in threads (see _ReadAhead)
         ahead, add_files = _ReadAhead(samples, task.read_threads), None
+    # Task.read_threads 0: time the first reads, and go on in threads if they are slow.
+    probe = min(len(samples), _READ_PROBE) if task.read_threads == 0 else 0
+    if probe and _SLOW_SOURCE[0]:
+        ahead, add_files, probe = _ReadAhead(samples, AUTO_SCAN_THREADS), None, 0
+    t_probe = time.perf_counter()
     # A simulated slow store (SHARDIO_SLOW_READS) under the source: every read pays its delay.
     slow_store = bool(samples and samples[0].files) and _inject.covers(samples[0].files[0][1])
     if slow_store:
@@ -207,10 +231,18 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
     i, n = 0, len(samples)
     try:
         while i < n:
+            if probe and i >= probe:
+                probe = 0
+                if _slow_reads(samples[:i], time.perf_counter() - t_probe):
+                    _SLOW_SOURCE[0] = True
+                    ahead = _ReadAhead(samples, AUTO_SCAN_THREADS, start=i)
+                    add_files = None
             if add_files is not None:
                 i = add_files(samples, i, LABEL_FIELD)
                 if i >= n:
                     break
+                if probe and i >= probe:
+                    continue  # decide before the next sample
             s = samples[i]
             i += 1
             fields: list[tuple[str, bytes]] = []
@@ -487,10 +519,10 @@ def _stream_tasks(samples: Iterable[Sample], options: PackOptions, out: str, job
     def task() -> _Task:
         entries = ",".join(_sample_docs(chunk))
         job.add(entries)
-        stats = getattr(samples, "stats", None)  # a Walk: read as many threads as it stats with
+        stats = getattr(samples, "stats", None)  # a Walk: read as it stats (Task.read_threads)
         return _Task(n, os.path.join(out, f"{options.prefix}-{n:06d}{suffix}"), chunk,
                      _shard_fingerprint(options_text, n, entries),
-                     stats.in_use if stats is not None else 1)
+                     stats.read_threads if stats is not None else 1)
 
     for s in samples:
         size = estimate(s)
@@ -552,6 +584,7 @@ def _write_shards(tasks: Iterable[_Task], options: PackOptions, codec: Codec, ou
     skipped: Counter[str] = Counter()
     order: list[str] = []
     kept = 0
+    _SLOW_SOURCE[0] = False  # see _pack_shard: each pack finds out for itself
 
     def done(w: WrittenShard, sk: Counter[str]) -> None:
         results[w.path] = w

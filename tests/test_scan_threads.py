@@ -298,3 +298,39 @@ def test_a_slow_source_is_read_in_threads(tmp_path: Path) -> None:
     assert auto["readers"] > 1 and one["readers"] == 1
     print(f"[pack] 300 files at 1 ms a stat and 1 ms a read: {one['seconds']:.2f} s in one "
           f"thread, {auto['seconds']:.2f} s automatic")
+
+
+def test_slow_reads_alone_turn_read_threads_on(tmp_path: Path) -> None:
+    # Fast stats (a cached namespace) but slow reads: the scan keeps one thread, and each shard
+    # times its first 64 reads and goes on in threads.
+    src = write_files(tmp_path / "src", {f"d{i % 2}/f{i:04d}.bin": os.urandom(300)
+                                         for i in range(300)})
+    env = {k: v for k, v in os.environ.items() if k != "SHARDIO_SLOW_STATS"}
+    env["SHARDIO_SLOW_READS"] = f"{src}:1GB:0.002"
+    proc = subprocess.run([sys.executable, "-c", _READ_CHILD, str(src), str(tmp_path / "out")],
+                          env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    auto, one = got["None"], got["1"]
+    assert auto["files"] == one["files"]
+    assert auto["readers"] > 1 and one["readers"] == 1
+    print(f"[pack] 300 files at 2 ms a read: {one['seconds']:.2f} s in one thread, "
+          f"{auto['seconds']:.2f} s automatic")
+
+
+def test_fast_reads_stay_in_the_c_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardio.packer as packer
+
+    made = []
+    real = packer._ReadAhead
+
+    def spy(*args: object, **kwargs: object) -> object:
+        made.append(args)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(packer, "_ReadAhead", spy)
+    src = write_files(tmp_path / "src", {f"d/f{i:04d}.bin": b"x" * 100 for i in range(500)})
+    shardio.pack(src, tmp_path / "out", samples_per_shard=200, fsync=False, progress=False)
+    assert made == []
+    assert packer._slow_reads([Sample("a", [("bin", "p", 1000, 0)])] * 64, 0.02)
+    assert not packer._slow_reads([Sample("a", [("bin", "p", 1000, 0)])] * 64, 0.002)
