@@ -238,7 +238,9 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
                     ahead = _ReadAhead(samples, AUTO_SCAN_THREADS, start=i)
                     add_files = None
             if add_files is not None:
-                i = add_files(samples, i, LABEL_FIELD)
+                # While probing, the C loop stops at the end of the probe (it would otherwise
+                # write the whole shard in one call).
+                i = add_files(samples[:probe] if probe else samples, i, LABEL_FIELD)
                 if i >= n:
                     break
                 if probe and i >= probe:

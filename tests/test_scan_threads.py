@@ -334,3 +334,29 @@ def test_fast_reads_stay_in_the_c_loop(tmp_path: Path, monkeypatch: pytest.Monke
     assert made == []
     assert packer._slow_reads([Sample("a", [("bin", "p", 1000, 0)])] * 64, 0.02)
     assert not packer._slow_reads([Sample("a", [("bin", "p", 1000, 0)])] * 64, 0.002)
+
+
+def test_the_c_loop_stops_for_the_read_probe(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # No simulated delay here, so the C loop reads: it must hand back after the 64 probed
+    # samples, and a "slow" verdict (forced) must move the rest of the shard to threads.
+    import shardio.packer as packer
+
+    starts: list[int] = []
+    real = packer._ReadAhead
+
+    def spy(samples: list[Sample], threads: int, ahead_bytes: int = 64 << 20,
+            start: int = 0) -> object:
+        starts.append(start)
+        return real(samples, threads, ahead_bytes, start)
+
+    monkeypatch.setattr(packer, "_ReadAhead", spy)
+    monkeypatch.setattr(packer, "_slow_reads", lambda samples, seconds: True)
+    src = write_files(tmp_path / "src", {f"d/f{i:04d}.bin": bytes([i % 256]) * 300
+                                         for i in range(500)})
+    shardio.pack(src, tmp_path / "out", samples_per_shard=200, fsync=False, progress=False)
+    assert starts == [64, 0, 0]  # shard 0 from its 65th sample; later shards without a probe
+    monkeypatch.setattr(packer, "_ReadAhead", real)
+    shardio.pack(src, tmp_path / "ref", samples_per_shard=200, scan_threads=1, fsync=False,
+                 progress=False)
+    assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "ref")
