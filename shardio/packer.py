@@ -110,9 +110,12 @@ __all__ = ["pack", "plan_shards"]
 _O_READ = os.O_RDONLY | os.O_CLOEXEC
 # A shard whose reads the scan left to decide (Task.read_threads 0) times its first
 # _READ_PROBE samples, and reads the rest in threads when they took more than _SLOW_FILE a file
-# beyond what _READ_BANDWIDTH would explain (a local read of a cached 20 KB file takes ~5 us).
-_READ_PROBE = 64
-_SLOW_FILE = 200e-6
+# beyond what _READ_BANDWIDTH would explain.  A local read of a cached 20 KB file takes ~5 us;
+# with its first buffers' page faults and two workers and a scan sharing 2 CPUs, 128 of them
+# took up to ~30 ms here (200 us a file, the first threshold, sent every 2-worker pack of the
+# benchmark to threads); a parallel filesystem's open and read take 0.5-2 ms.
+_READ_PROBE = 128
+_SLOW_FILE = 500e-6
 _READ_BANDWIDTH = 1e9
 # Set once a shard of this pack, in this process, found its reads slow: later shards start in
 # threads without a probe (reset when a pack starts writing, before it forks its workers).
@@ -291,6 +294,8 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
                 fields.append((LABEL_FIELD, lb))
                 fields.sort()
             add(s.key, fields)
+        if probe and i >= probe and _slow_reads(samples[:i], time.perf_counter() - t_probe):
+            _SLOW_SOURCE[0] = True  # a shard no longer than the probe: the next ones use threads
         meta: dict[str, Any] = {"job_shard": task.fingerprint}
         if skipped:  # kept by a resume, the shard still counts them (packstate._is_done)
             meta["skipped"] = dict(sorted(skipped.items()))

@@ -302,7 +302,7 @@ def test_a_slow_source_is_read_in_threads(tmp_path: Path) -> None:
 
 def test_slow_reads_alone_turn_read_threads_on(tmp_path: Path) -> None:
     # Fast stats (a cached namespace) but slow reads: the scan keeps one thread, and each shard
-    # times its first 64 reads and goes on in threads.
+    # times its first 128 reads and goes on in threads.
     src = write_files(tmp_path / "src", {f"d{i % 2}/f{i:04d}.bin": os.urandom(300)
                                          for i in range(300)})
     env = {k: v for k, v in os.environ.items() if k != "SHARDIO_SLOW_STATS"}
@@ -332,13 +332,13 @@ def test_fast_reads_stay_in_the_c_loop(tmp_path: Path, monkeypatch: pytest.Monke
     src = write_files(tmp_path / "src", {f"d/f{i:04d}.bin": b"x" * 100 for i in range(500)})
     shardio.pack(src, tmp_path / "out", samples_per_shard=200, fsync=False, progress=False)
     assert made == []
-    assert packer._slow_reads([Sample("a", [("bin", "p", 1000, 0)])] * 64, 0.02)
-    assert not packer._slow_reads([Sample("a", [("bin", "p", 1000, 0)])] * 64, 0.002)
+    assert packer._slow_reads([Sample("a", [("bin", "p", 1000, 0)])] * 128, 0.08)
+    assert not packer._slow_reads([Sample("a", [("bin", "p", 1000, 0)])] * 128, 0.03)
 
 
 def test_the_c_loop_stops_for_the_read_probe(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    # No simulated delay here, so the C loop reads: it must hand back after the 64 probed
+    # No simulated delay here, so the C loop reads: it must hand back after the 128 probed
     # samples, and a "slow" verdict (forced) must move the rest of the shard to threads.
     import shardio.packer as packer
 
@@ -355,7 +355,7 @@ def test_the_c_loop_stops_for_the_read_probe(tmp_path: Path,
     src = write_files(tmp_path / "src", {f"d/f{i:04d}.bin": bytes([i % 256]) * 300
                                          for i in range(500)})
     shardio.pack(src, tmp_path / "out", samples_per_shard=200, fsync=False, progress=False)
-    assert starts == [64, 0, 0]  # shard 0 from its 65th sample; later shards without a probe
+    assert starts == [128, 0, 0]  # shard 0 from its 129th sample; later ones without a probe
     monkeypatch.setattr(packer, "_ReadAhead", real)
     shardio.pack(src, tmp_path / "ref", samples_per_shard=200, scan_threads=1, fsync=False,
                  progress=False)
