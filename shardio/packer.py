@@ -117,9 +117,37 @@ _O_READ = os.O_RDONLY | os.O_CLOEXEC
 _READ_PROBE = 128
 _SLOW_FILE = 500e-6
 _READ_BANDWIDTH = 1e9
-# Set once a shard of this pack, in this process, found its reads slow: later shards start in
-# threads without a probe (reset when a pack starts writing, before it forks its workers).
-_SLOW_SOURCE = [False]
+
+
+class _ReadProbe:
+    """The first :data:`_READ_PROBE` samples a process reads for a pack, timed across its
+    shards (a shard may be shorter than the probe), and the verdict: ``None`` until then,
+    then whether the reads were slow (:func:`_slow_reads`).  Reset when a pack starts writing,
+    before it forks its workers, so each pack and each worker finds out for itself."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.samples = self.files = self.nbytes = 0
+        self.seconds = 0.0
+        self.verdict: bool | None = None
+
+    def want(self) -> int:
+        return 0 if self.verdict is not None else _READ_PROBE - self.samples
+
+    def add(self, samples: list[Sample], seconds: float) -> bool:
+        """Count ``samples``, read in ``seconds``; True once the verdict is "slow"."""
+        self.samples += len(samples)
+        self.files += sum(len(s.files) for s in samples)
+        self.nbytes += sum(s.size for s in samples)
+        self.seconds += seconds
+        if self.verdict is None and self.samples >= _READ_PROBE:
+            self.verdict = _slow_reads(self.files, self.nbytes, self.seconds)
+        return bool(self.verdict)
+
+
+_PROBE = _ReadProbe()
 
 
 def _read_file(path: str, size: int = 0) -> bytes:
@@ -196,10 +224,9 @@ class _ReadAhead:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _slow_reads(samples: list[Sample], seconds: float) -> bool:
-    """Whether reading (and adding) ``samples`` in ``seconds`` was latency-bound."""
-    files = sum(len(s.files) for s in samples)
-    nbytes = sum(s.size for s in samples)
+def _slow_reads(files: int, nbytes: int, seconds: float) -> bool:
+    """Whether reading (and adding) ``files`` files of ``nbytes`` in ``seconds`` was
+    latency-bound."""
     return seconds >= files * _SLOW_FILE + nbytes / _READ_BANDWIDTH
 
 
@@ -222,10 +249,13 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
     ahead = None
     if task.read_threads > 1:  # a slow source: its files read in threads (see _ReadAhead)
         ahead, add_files = _ReadAhead(samples, task.read_threads), None
-    # Task.read_threads 0: time the first reads, and go on in threads if they are slow.
-    probe = min(len(samples), _READ_PROBE) if task.read_threads == 0 else 0
-    if probe and _SLOW_SOURCE[0]:
-        ahead, add_files, probe = _ReadAhead(samples, AUTO_SCAN_THREADS), None, 0
+    # Task.read_threads 0: time the first reads (_PROBE), and go on in threads if they are slow.
+    probe = 0
+    if task.read_threads == 0 and ahead is None:
+        if _PROBE.verdict:
+            ahead, add_files = _ReadAhead(samples, AUTO_SCAN_THREADS), None
+        else:
+            probe = min(len(samples), _PROBE.want())
     t_probe = time.perf_counter()
     # A simulated slow store (SHARDIO_SLOW_READS) under the source: every read pays its delay.
     slow_store = bool(samples and samples[0].files) and _inject.covers(samples[0].files[0][1])
@@ -236,8 +266,7 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
         while i < n:
             if probe and i >= probe:
                 probe = 0
-                if _slow_reads(samples[:i], time.perf_counter() - t_probe):
-                    _SLOW_SOURCE[0] = True
+                if _PROBE.add(samples[:i], time.perf_counter() - t_probe):
                     ahead = _ReadAhead(samples, AUTO_SCAN_THREADS, start=i)
                     add_files = None
             if add_files is not None:
@@ -294,8 +323,8 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
                 fields.append((LABEL_FIELD, lb))
                 fields.sort()
             add(s.key, fields)
-        if probe and i >= probe and _slow_reads(samples[:i], time.perf_counter() - t_probe):
-            _SLOW_SOURCE[0] = True  # a shard no longer than the probe: the next ones use threads
+        if probe and i >= probe:  # a shard no longer than the probe: it counts for the next
+            _PROBE.add(samples[:i], time.perf_counter() - t_probe)
         meta: dict[str, Any] = {"job_shard": task.fingerprint}
         if skipped:  # kept by a resume, the shard still counts them (packstate._is_done)
             meta["skipped"] = dict(sorted(skipped.items()))
@@ -591,7 +620,7 @@ def _write_shards(tasks: Iterable[_Task], options: PackOptions, codec: Codec, ou
     skipped: Counter[str] = Counter()
     order: list[str] = []
     kept = 0
-    _SLOW_SOURCE[0] = False  # see _pack_shard: each pack finds out for itself
+    _PROBE.reset()  # see _pack_shard: each pack finds out for itself
 
     def done(w: WrittenShard, sk: Counter[str]) -> None:
         results[w.path] = w

@@ -318,7 +318,11 @@ def test_slow_reads_alone_turn_read_threads_on(tmp_path: Path) -> None:
           f"{auto['seconds']:.2f} s automatic")
 
 
-def test_fast_reads_stay_in_the_c_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("per_shard", [200, 2])
+def test_fast_reads_stay_in_the_c_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       per_shard: int) -> None:
+    # Tiny shards too: the probe adds their reads up to 128 samples rather than judging each
+    # one's first batch (page faults of fresh buffers included) on its own.
     import shardio.packer as packer
 
     made = []
@@ -330,10 +334,12 @@ def test_fast_reads_stay_in_the_c_loop(tmp_path: Path, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(packer, "_ReadAhead", spy)
     src = write_files(tmp_path / "src", {f"d/f{i:04d}.bin": b"x" * 100 for i in range(500)})
-    shardio.pack(src, tmp_path / "out", samples_per_shard=200, fsync=False, progress=False)
+    shardio.pack(src, tmp_path / "out", samples_per_shard=per_shard, fsync=False,
+                 progress=False)
     assert made == []
-    assert packer._slow_reads([Sample("a", [("bin", "p", 1000, 0)])] * 128, 0.08)
-    assert not packer._slow_reads([Sample("a", [("bin", "p", 1000, 0)])] * 128, 0.03)
+    assert packer._PROBE.verdict is False and packer._PROBE.samples >= 128
+    assert packer._slow_reads(128, 128_000, 0.08)
+    assert not packer._slow_reads(128, 128_000, 0.03)
 
 
 def test_the_c_loop_stops_for_the_read_probe(tmp_path: Path,
@@ -351,7 +357,7 @@ def test_the_c_loop_stops_for_the_read_probe(tmp_path: Path,
         return real(samples, threads, ahead_bytes, start)
 
     monkeypatch.setattr(packer, "_ReadAhead", spy)
-    monkeypatch.setattr(packer, "_slow_reads", lambda samples, seconds: True)
+    monkeypatch.setattr(packer, "_slow_reads", lambda files, nbytes, seconds: True)
     src = write_files(tmp_path / "src", {f"d/f{i:04d}.bin": bytes([i % 256]) * 300
                                          for i in range(500)})
     shardio.pack(src, tmp_path / "out", samples_per_shard=200, fsync=False, progress=False)
