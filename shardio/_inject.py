@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from ._fsutil import parse_size
 from .errors import UsageError
@@ -33,22 +34,35 @@ ENV = "SHARDIO_SLOW_READS"
 STATS_ENV = "SHARDIO_SLOW_STATS"
 
 
+def _parse(text: str, env: str, form: str, example: str) -> list[tuple[Any, ...]]:
+    """Comma-separated ``DIR:VALUE...`` rules (``form``, e.g. ``DIR:BANDWIDTH:LATENCY``) ->
+    ``[(dir + "/", value, ...)]``: a size for ``BANDWIDTH``, seconds for ``LATENCY``.
+
+    Raises:
+        UsageError: a malformed rule (``env`` and ``example`` name the fix).
+    """
+    fields = form.split(":")[1:]
+    rules = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            d, *values = part.rsplit(":", len(fields))
+            if len(values) != len(fields):
+                raise ValueError(part)
+            rules.append((os.path.realpath(d).rstrip("/") + "/", *(
+                float(parse_size(v)) if f == "BANDWIDTH" else float(v)
+                for f, v in zip(fields, values))))
+        except (ValueError, UsageError) as exc:
+            raise UsageError(f"{env}: bad rule {part!r}; write {form}, e.g. {example}") from exc
+    return rules
+
+
 def parse_rules(text: str) -> list[tuple[str, float, float]]:
     """``DIR:BANDWIDTH:LATENCY`` rules -> ``[(dir + "/", bytes_per_s, latency_s)]``.
 
     Raises:
         UsageError: a malformed rule.
     """
-    rules = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            d, bw, lat = part.rsplit(":", 2)
-            rules.append((os.path.realpath(d).rstrip("/") + "/", float(parse_size(bw)),
-                          float(lat)))
-        except (ValueError, UsageError) as exc:
-            raise UsageError(f"{ENV}: bad rule {part!r}; write DIR:BANDWIDTH:LATENCY, e.g. "
-                             "/data/shared:200MB:0.002") from exc
-    return rules
+    return _parse(text, ENV, "DIR:BANDWIDTH:LATENCY", "/data/shared:200MB:0.002")
 
 
 _RULES = parse_rules(os.environ.get(ENV, ""))
@@ -82,24 +96,8 @@ def delay(path: str, nbytes: int) -> None:
         time.sleep(rule[1] + nbytes / rule[0])
 
 
-def _parse_stat_rules(text: str) -> list[tuple[str, float]]:
-    """``DIR:LATENCY`` rules -> ``[(dir + "/", latency_s)]``.
-
-    Raises:
-        UsageError: a malformed rule.
-    """
-    rules = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            d, lat = part.rsplit(":", 1)
-            rules.append((os.path.realpath(d).rstrip("/") + "/", float(lat)))
-        except ValueError as exc:
-            raise UsageError(f"{STATS_ENV}: bad rule {part!r}; write DIR:LATENCY, e.g. "
-                             "/data/shared:0.0005") from exc
-    return rules
-
-
-_STAT_RULES = _parse_stat_rules(os.environ.get(STATS_ENV, ""))
+_STAT_RULES = _parse(os.environ.get(STATS_ENV, ""), STATS_ENV, "DIR:LATENCY",
+                     "/data/shared:0.0005")
 STATS_ACTIVE = bool(_STAT_RULES)
 
 

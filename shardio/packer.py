@@ -207,8 +207,8 @@ class _ReadAhead:
         self.next = start  # the first sample it will be asked for
 
     def get(self, i: int) -> list[tuple[str, bytes]]:
-        """Sample ``i``'s fields (``i`` counting up from 0, each once; raises what reading it
-        raised)."""
+        """Sample ``i``'s fields (``i`` counting up from ``start``, each once; raises what
+        reading it raised)."""
         while self.next < len(self.samples) and (
                 self.next <= i or (len(self.pending) < 4 * self.threads
                                    and self.queued < self.ahead_bytes)):
