@@ -90,6 +90,22 @@ class _ClaimArena:
             return a.array, off, a.buf[off:off + n]
         return self.private.take(n)
 
+    def room(self) -> tuple[np.ndarray, int, memoryview] | None:
+        """See :meth:`shardio.sharedbytes.Arena.room`: the area's room, then the private
+        arena's."""
+        a = self.area
+        off = a.start + a.used
+        if off < self.limit:
+            return a.array, off, a.buf[off:self.limit]
+        return self.private.room()
+
+    def advance(self, used: int) -> None:
+        a = self.area
+        if a.start + a.used < self.limit:
+            a.used += used
+        else:
+            self.private.advance(used)
+
 
 class _Job:
     """Runs in each worker: the epoch's order and plan, then one batch per ``produce``."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _inject
 from ._fsutil import resolve_in, translate_oserror
 from .checksum import digest_bytes
 from .codec import Codec
@@ -26,6 +27,11 @@ from .formats import ShardIndex, ShardReader, index_loader
 from .lustre import detect_fs, get_layout, read_block_size, spread_by_ost
 from .manifest import Manifest
 from .repair import FAULTS, Copy, CopyLadder
+
+try:  # batch reads of single samples (shardio/_sampleio.c); ShardReader.get is the reference
+    from ._sampleio import read_many as _read_many
+except ImportError:  # pragma: no cover - the C extension is optional
+    _read_many = None
 
 __all__ = ["DatasetReader", "open_dataset"]
 
@@ -95,6 +101,7 @@ class DatasetReader:
         self._fs: str | None = None
         self._osts: dict[int, int | None] = {}
         self._readers: OrderedDict[int, tuple[Copy, ShardReader]] = OrderedDict()
+        self._reopened = 0  # counts changes to _readers (read_ids' batch reads look at it)
         self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
         self._advised: set[int] = set()
         self.arena: Any = None
@@ -186,6 +193,7 @@ class DatasetReader:
     def _keep(self, i: int, copy: Copy, reader: ShardReader) -> tuple[Copy, ShardReader]:
         reader.arena = self.arena
         self._readers[i] = (copy, reader)
+        self._reopened += 1
         while len(self._readers) > self.max_open_shards:
             j, (_, old) = self._readers.popitem(last=False)
             old.close()
@@ -243,6 +251,7 @@ class DatasetReader:
         got = self._readers.pop(i, None)
         if got is None:
             return None
+        self._reopened += 1
         got[1].close()
         return got[0]
 
@@ -361,12 +370,37 @@ class DatasetReader:
         local, shard_list, cut = local_a.tolist(), shards_a.tolist(), cut_a.tolist()
         n = len(local)
         k = 0
+        seen, refreshes = self._reopened, 0
+        many = self._read_many_args(shards_a)
+        # Where runs begin (or go on): read_many stops there and the run is read whole below.
+        in_run = np.flatnonzero(~cut_a).tolist()
+        r = 0
         while k < n:
+            while r < len(in_run) and in_run[r] < k:
+                r += 1
+            end = in_run[r] if r < len(in_run) else n
+            if many is not None and end > k:
+                # Single samples in one C call (shardio/_sampleio.c read_many) up to the next
+                # run or the first sample it leaves to the general path below (which then reads
+                # that one: a fault, a sample that is not plain, the arena's room used up).
+                room = self.arena.room()
+                if room is not None:
+                    view, voff, mv = room
+                    out: list[dict[str, Any]] = []
+                    k, used = _read_many(many[0], many[1], local_a, k, end, mv, view, voff,
+                                         self.arena.min_bytes, out)
+                    del mv, view
+                    self.arena.advance(used)
+                    yield from out
+                    del out
+                    if k >= n:
+                        return
             j = k
             while j < n - 1 and not cut[j]:
                 j += 1
             s = shard_list[k]
             got = self._readers.get(s) if j == k else None
+            sample = None
             if got is not None:
                 try:
                     sample = got[1].get(local[k])
@@ -374,14 +408,42 @@ class DatasetReader:
                     # Move down the ladder now, so the retry reads the next copy (not this one
                     # again, which would count the same fault twice).
                     self._fault(s, exc)
-                else:
-                    yield sample
-                    k = j + 1
-                    continue
-            # A run, a shard not open yet, or a retry: _read_run opens down the ladder and
-            # applies on_corrupt when no copy is left.
-            yield from self._read_run(s, local[k], local[j] + 1)
+            if sample is not None:
+                yield sample
+            else:
+                # A run, a shard not open yet, or a retry: _read_run opens down the ladder and
+                # applies on_corrupt when no copy is left.
+                yield from self._read_run(s, local[k], local[j] + 1)
             k = j + 1
+            if self._reopened != seen and k < n:
+                # A shard was opened (the batch reads can start), or one moved down its copy
+                # ladder or was evicted: read_many must not read through a descriptor that now
+                # means another file.  (At most 16 times a call: a batch over more shards than
+                # max_open_shards would otherwise redo this after every sample.)
+                seen = self._reopened
+                refreshes += 1
+                many = self._read_many_args(shards_a) if refreshes <= 16 else None
+
+    def _read_many_args(self, shards: np.ndarray
+                        ) -> tuple[tuple[tuple[Any, int, Any, Any], ...], np.ndarray] | None:
+        """``(readers, slots)`` for :func:`shardio._sampleio.read_many` when the samples of
+        ``shards`` are read into an arena and every one of those shards is open now with a C
+        index; else None (the per-sample reads)."""
+        arena = self.arena
+        if _read_many is None or arena is None or _inject.ACTIVE or not hasattr(arena, "room"):
+            return None
+        uniq, slots = np.unique(shards, return_inverse=True)
+        readers = []
+        for s in uniq.tolist():
+            got = self._readers.get(s)
+            if got is None:
+                return None
+            r = got[1]
+            r._views()
+            if r._cidx is None:
+                return None
+            readers.append((r._cidx, r._fd(), r._check if r.verify else None, r.on_read))
+        return tuple(readers), slots.astype(np.int64, copy=False)
 
     def _read_run(self, s: int, first: int, stop: int) -> Iterator[dict[str, Any]]:
         """Samples ``first..stop-1`` of shard ``s``, moving down the copy ladder on a fault and
@@ -416,6 +478,7 @@ class DatasetReader:
         for _, r in self._readers.values():
             r.close()
         self._readers.clear()
+        self._reopened += 1
         self._indexes.clear()
         self._advised.clear()
 

@@ -445,6 +445,23 @@ class Arena:
         self._used = (off + n + 63) & ~63
         return self._lease.view(), off, chunk.mv[off:off + n]
 
+    def room(self) -> tuple[np.ndarray, int, memoryview] | None:
+        """The current chunk's free room as :meth:`take` would hand it out piecewise:
+        ``(view, offset, writable memoryview of the rest of the chunk)``, or None when there is
+        no chunk of this process to fill.  Fill it from the start, each piece 64-byte aligned,
+        and report the bytes used with :meth:`advance` (``DatasetReader.read_ids``' batch
+        reads: one call for a run of samples instead of one take each)."""
+        chunk = self._chunk
+        if chunk is None or self._pid != _PID[0] or self._used >= chunk.size:
+            return None
+        assert self._lease is not None
+        off = self._used
+        return self._lease.view(), off, chunk.mv[off:chunk.size]
+
+    def advance(self, used: int) -> None:
+        """``used`` bytes (a multiple of 64) of the last :meth:`room` were filled."""
+        self._used += used
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.update(_chunk=None, _lease=None, _used=0, _retired=deque())
