@@ -30,9 +30,10 @@
  *   read_many(readers, slots, local, k, end, buf, view, voff, min_bytes, out) -> (k, used)
  *       get_into for a whole batch of samples from several shards, with no Python code between
  *       them: ``readers`` a tuple of (Index, fd, check, on_read), one per shard; ``slots`` and
- *       ``local`` int64 buffers, sample j being sample local[j] of reader slots[j].  For j from k
- *       to end - 1, each sample's span lands at the next 64-byte aligned offset of ``buf`` (the arena's
- *       free room, at offset ``voff`` of ``view``) and its dict is appended to the list ``out``.
+ *       ``local`` int64 buffers, sample j being sample local[j] of reader slots[j].  For j
+ *       from k to end - 1, each sample's span lands at the next 64-byte aligned offset of
+ *       ``buf`` (the arena's free room, at offset ``voff`` of ``view``) and its dict is appended
+ *       to the list ``out``.
  *       Stops at the first sample it cannot deliver (no room left in buf, a read error or short
  *       read, a checksum mismatch, a sample that is not plain) and returns (that j, the aligned
  *       bytes of buf used): the caller reads that sample through its general path, which raises
