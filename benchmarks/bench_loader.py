@@ -2,8 +2,9 @@
 
 ``python benchmarks/bench_loader.py`` builds the dataset exactly as ``bench_read.py`` does
 (:func:`benchmarks.bench_read.prepare`: 20,000 JPEGs of 5-40 KB in 100 class folders, packed with
-``shardio.pack(..., shard_size="64MB", workers=2, fsync=False)``, every file read once so the page
-cache is warm), then measures, batch 256, 2 workers, every run a fresh child process:
+``shardio.pack(..., shard_size="64MB", workers=2, fsync=False)``), then measures, batch 256,
+2 workers, every run a fresh child process started after every input was read again
+(``bench_read.warm_inputs``: a warm page cache at the start of every run):
 
 (a) **transfer**: what moving batches from the workers costs, nothing else.  Both loaders read
     ``ShardDataset(shards, batch_size=256, shuffle=True, verify=False, transform=FixedItem())``,
@@ -108,6 +109,7 @@ from benchmarks.bench_read import (
     payload_of,
     prepare,
     raw_item,
+    warm_inputs,
 )
 
 QUICK = {"files": 400, "classes": 10, "repeat": 1, "shard_size": "2MB", "side": 64,
@@ -420,11 +422,12 @@ def child(spec: dict[str, Any]) -> int:
 
 
 def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one child; return its result.
+    """Run one child, inputs warmed first (``bench_read.warm_inputs``); return its result.
 
     Raises:
         RuntimeError: the child failed (its stderr is included).
     """
+    warm_inputs(spec)
     # A peer's contender runs with the peers interpreter (bench_read.py, benchmarks/_common.py).
     python = spec.get("python") or sys.executable
     proc = subprocess.run([python, __file__, "--child", json.dumps(spec)], check=False,

@@ -3,9 +3,10 @@
 ``python benchmarks/bench_read.py`` generates an ImageFolder tree (default 20,000 JPEGs of 5-40 KB
 in 100 class folders, :func:`tools.make_dataset.make_images`), packs it with
 ``shardio.pack(src, out, label_from_dir=True, shard_size="64MB", workers=2, fsync=False)``
-(shardio's tar shards are plain WebDataset tars, so webdataset reads the very same files), reads
-every source file and shard once so everything sits in the page cache, then times one epoch per
-run of:
+(shardio's tar shards are plain WebDataset tars, so webdataset reads the very same files), then
+times one epoch per run of the loaders below, each run in a fresh child process started after
+every source file and shard was read again (:func:`warm_inputs`: everything sits in the page
+cache at the start of every run, whatever the host evicted in between):
 
 * ``shardio``: ``DataLoader(ShardDataset(out, batch_size=256, transform=...), batch_size=256,
   num_workers=2)`` (shuffled; per-sample checksums verified, the default);
@@ -476,12 +477,27 @@ def child(spec: dict[str, Any]) -> int:
     return 0
 
 
+def warm_inputs(spec: dict[str, Any]) -> int:
+    """Read every input a run's contenders read (the source tree, the shards and their indexes,
+    the peers' converted copies), so that each run starts from a warm page cache, whatever
+    the machine evicted since the last (a host that pages out cold page cache proactively,
+    DAMON's ``pageout`` on this VM, had evicted ~12% of the small files between runs, which
+    made the small-files DataLoader up to 25% slower in some runs than in others).  Returns the
+    bytes read."""
+    paths = [os.path.join(d, n) for d, _, names in os.walk(spec["src"]) for n in names]
+    for key in ("shards", "mosaic", "litdata"):
+        if spec.get(key):
+            paths += [os.path.join(d, n) for d, _, names in os.walk(spec[key]) for n in names]
+    return _read_all(paths)
+
+
 def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one child; return its result.
+    """Run one child, inputs warmed first (:func:`warm_inputs`); return its result.
 
     Raises:
         RuntimeError: the child failed (its stderr is included).
     """
+    warm_inputs(spec)
     proc = subprocess.run([spec.get("python") or sys.executable, __file__, "--child",
                            json.dumps(spec)],
                           capture_output=True, text=True, cwd=str(ROOT), stdin=subprocess.DEVNULL)
