@@ -28,7 +28,8 @@ from typing import Any
 from ._fsutil import parse_size
 from .errors import UsageError
 
-__all__ = ["ACTIVE", "STATS_ACTIVE", "covers", "delay", "parse_rules", "stat_latency"]
+__all__ = ["ACTIVE", "STATS_ACTIVE", "covers", "delay", "parse_rules", "sample_delays",
+           "stat_latency"]
 
 ENV = "SHARDIO_SLOW_READS"
 STATS_ENV = "SHARDIO_SLOW_STATS"
@@ -87,6 +88,21 @@ def _rule_for(path: str) -> tuple[float, float] | None:
 def covers(path: str) -> bool:
     """Whether reads of ``path`` are slowed (a rule of ``SHARDIO_SLOW_READS`` covers it)."""
     return ACTIVE and _rule_for(path) is not None
+
+
+def sample_delays(samples: Any) -> Any:
+    """Seconds reading each of ``samples`` (``shardio._scan.Sample``) takes on the simulated
+    store, as :func:`delay` sleeps them file by file: an ``array("d")`` for the C loop of a pack
+    (shardio/_tarpack.c sleeps each sample's before reading it)."""
+    from array import array
+
+    out = array("d", bytes(8 * len(samples)))
+    for k, s in enumerate(samples):
+        for _name, path, size, _mtime in s.files:
+            rule = _rule_for(path)
+            if rule is not None:
+                out[k] += rule[1] + size / rule[0]
+    return out
 
 
 def delay(path: str, nbytes: int) -> None:

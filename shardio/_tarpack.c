@@ -40,9 +40,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define BLOCK 512
@@ -392,22 +395,188 @@ read_member(Member *m, char *dst, int *dfd, char *cur_dir, Py_ssize_t *cur_len)
     return got < 0 || got > m->size ? -1 : (long long)got;
 }
 
+/* Sleep `seconds` (a simulated slow store's delay: shardio._inject). */
+static void
+sleep_for(double seconds)
+{
+    if (!(seconds > 0)) {
+        return;
+    }
+    struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    while (nanosleep(&ts, &ts) < 0 && errno == EINTR) {
+    }
+}
+
+/* The threaded phase 2: samples handed out one at a time to `threads` readers. */
+typedef struct {
+    Batch *b;
+    char *buf;
+    const double *delays; /* per sample of the batch, or NULL */
+    Py_ssize_t next;      /* the next sample to hand out (atomic) */
+} Pool;
+
+/* Read the members of the pool's samples into their places, until none is left.  A member's
+ * `got` is its size, or -1 when its file could not be read in full at the scan's size (failed,
+ * shrank or grew: the Python code reads that sample). */
+static void *
+pool_reader(void *arg)
+{
+    Pool *p = arg;
+    int dfd = -1;
+    char cur_dir[PATH_MAX];
+    Py_ssize_t cur_len = -1;
+    for (;;) {
+        Py_ssize_t k = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
+        if (k >= p->b->ns) {
+            break;
+        }
+        SampleRec *rec = &p->b->s[k];
+        if (p->delays != NULL) {
+            sleep_for(p->delays[k]);
+        }
+        for (Py_ssize_t j = rec->first; j < rec->first + rec->count; j++) {
+            Member *m = &p->b->m[j];
+            char *dst = p->buf + m->data_off;
+            if (m->path == NULL) {
+                memcpy(dst, m->label, (size_t)m->size);
+                m->got = m->size;
+                continue;
+            }
+            /* read_member reads size + 1 bytes into dst to see a file that grew; here the byte
+             * after dst belongs to the next member, which another thread may be writing. */
+            const char *name = m->cpath;
+            int at = AT_FDCWD;
+            if (m->dir_len > 0 && m->dir_len < PATH_MAX) {
+                if (cur_len != m->dir_len || memcmp(cur_dir, m->cpath, (size_t)m->dir_len) != 0) {
+                    if (dfd >= 0) {
+                        close(dfd);
+                    }
+                    memcpy(cur_dir, m->cpath, (size_t)m->dir_len);
+                    cur_dir[m->dir_len] = '\0';
+                    cur_len = m->dir_len;
+                    dfd = open(cur_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+                }
+                if (dfd >= 0) {
+                    at = dfd;
+                    name = m->cpath + m->dir_len + 1;
+                }
+            }
+            m->got = -1;
+            int fd = openat(at, name, O_RDONLY | O_CLOEXEC);
+            if (fd < 0) {
+                continue;
+            }
+            char extra;
+            struct iovec iov[2] = {{dst, (size_t)m->size}, {&extra, 1}};
+            ssize_t got;
+            do {
+                got = readv(fd, iov, 2);
+            } while (got < 0 && errno == EINTR);
+            close(fd);
+            m->got = got == m->size ? m->size : -1;
+        }
+    }
+    if (dfd >= 0) {
+        close(dfd);
+    }
+    return NULL;
+}
+
+/* Phase 2 with `threads` readers: the members' places come from the scan's sizes.  Returns the
+ * bytes laid out for the first *done_samples samples, which the serial pass then checks (a
+ * member not read at its size stops the batch there) and completes (headers, padding). */
+static Py_ssize_t
+read_threaded(Batch *b, char *buf, int headers, int threads, const double *delays,
+              Py_ssize_t *done_samples, int *slow)
+{
+    Py_ssize_t off = 0, head = headers ? BLOCK : 0;
+    for (Py_ssize_t k = 0; k < b->ns; k++) {
+        SampleRec *rec = &b->s[k];
+        rec->out_off = off;
+        for (Py_ssize_t j = rec->first; j < rec->first + rec->count; j++) {
+            Member *m = &b->m[j];
+            m->data_off = off + head;
+            off += headers ? BLOCK + padded(m->size) : (Py_ssize_t)m->size;
+        }
+    }
+    Pool pool = {b, buf, delays, 0};
+    if (threads > b->ns) {
+        threads = (int)b->ns;
+    }
+    pthread_t tids[64];
+    int started = 0;
+    for (; started < threads - 1 && started < 64; started++) {
+        if (pthread_create(&tids[started], NULL, pool_reader, &pool) != 0) {
+            break; /* fewer threads: this one reads the rest */
+        }
+    }
+    pool_reader(&pool);
+    for (int t = 0; t < started; t++) {
+        pthread_join(tids[t], NULL);
+    }
+    off = 0;
+    for (Py_ssize_t k = 0; k < b->ns; k++) {
+        SampleRec *rec = &b->s[k];
+        Py_ssize_t j = rec->first;
+        for (; j < rec->first + rec->count && b->m[j].got >= 0; j++) {
+        }
+        if (j < rec->first + rec->count) {
+            *done_samples = k;
+            *slow = 1;
+            return rec->out_off;
+        }
+        for (j = rec->first; j < rec->first + rec->count; j++) {
+            Member *m = &b->m[j];
+            if (headers) {
+                write_header(buf + m->data_off - BLOCK, rec->ckey, rec->key_len, m->fname,
+                             m->fname_len, m->got);
+                memset(buf + m->data_off + m->got, 0, (size_t)(padded(m->got) - m->got));
+            }
+        }
+        off = b->m[rec->first + rec->count - 1].data_off + (Py_ssize_t)(
+            headers ? padded(b->m[rec->first + rec->count - 1].got)
+                    : b->m[rec->first + rec->count - 1].got);
+    }
+    *done_samples = b->ns;
+    return off;
+}
+
 static PyObject *
 tarpack_fill(PyObject *self, PyObject *args)
 {
     PyObject *samples, *names, *label_field, *check, *out;
     Py_ssize_t start;
     long long base_pos, base_key, base_row, cap;
-    int headers = 1;
-    if (!PyArg_ParseTuple(args, "O!nO!UOLLLLO|p", &PyList_Type, &samples, &start, &PyDict_Type,
+    int headers = 1, threads = 1;
+    PyObject *delays_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "O!nO!UOLLLLO|piO", &PyList_Type, &samples, &start, &PyDict_Type,
                           &names, &label_field, &check, &base_pos, &base_key, &base_row, &cap,
-                          &out, &headers)) {
+                          &out, &headers, &threads, &delays_obj)) {
         return NULL;
     }
     Py_ssize_t total = PyList_GET_SIZE(samples);
     if (start < 0 || start > total) {
         PyErr_SetString(PyExc_ValueError, "start out of range");
         return NULL;
+    }
+    if (threads < 1 || threads > 64) {
+        PyErr_SetString(PyExc_ValueError, "threads must be 1 to 64");
+        return NULL;
+    }
+    Py_buffer delays_view = {0};
+    const double *delays = NULL;
+    if (delays_obj != Py_None) {
+        if (PyObject_GetBuffer(delays_obj, &delays_view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            return NULL;
+        }
+        if (delays_view.itemsize != 8 || delays_view.format == NULL
+            || strcmp(delays_view.format, "d") != 0 || delays_view.len / 8 != total) {
+            PyBuffer_Release(&delays_view);
+            PyErr_SetString(PyExc_ValueError, "delays must be a buffer of one float64 (\"d\") "
+                            "per sample");
+            return NULL;
+        }
+        delays = (const double *)delays_view.buf + start;
     }
     Batch b = {0};
     Py_buffer view = {0};
@@ -458,10 +627,16 @@ tarpack_fill(PyObject *self, PyObject *args)
     int dfd = -1;
     char cur_dir[PATH_MAX];
     Py_ssize_t cur_len = -1;
-    for (Py_ssize_t k = 0; k < b.ns; k++) {
+    if (threads > 1 && b.ns > 1) {
+        off = read_threaded(&b, buf, headers, threads, delays, &done_samples, &slow);
+    }
+    for (Py_ssize_t k = 0; !(threads > 1 && b.ns > 1) && k < b.ns; k++) {
         SampleRec *rec = &b.s[k];
         rec->out_off = off;
         int failed = 0;
+        if (delays != NULL) {
+            sleep_for(delays[k]);
+        }
         for (Py_ssize_t j = rec->first; j < rec->first + rec->count; j++) {
             Member *m = &b.m[j];
             char *dst = buf + off + head;
@@ -595,6 +770,9 @@ tarpack_fill(PyObject *self, PyObject *args)
     if (have_view) {
         PyBuffer_Release(&view);
     }
+    if (delays != NULL) {
+        PyBuffer_Release(&delays_view);
+    }
     batch_free(&b);
     return result;
 columns_error:
@@ -609,6 +787,9 @@ error:
     Py_XDECREF(data);
     if (have_view) {
         PyBuffer_Release(&view);
+    }
+    if (delays != NULL) {
+        PyBuffer_Release(&delays_view);
     }
     batch_free(&b);
     return NULL;

@@ -189,11 +189,12 @@ class _ReadAhead:
 
     On a parallel filesystem opening and reading a small file is a round trip or two (~0.5-2
     ms), so one reader manages a few hundred files a second whatever the bandwidth.  A pack
-    uses this where its scan found the source slow (``Task.read_threads``), or where a shard's
-    first reads were (:func:`_slow_reads`); a read releases the GIL.  The samples then go
-    through the writer's ``add``, the reference the C loop is
-    tested against, so the shard is the same.  At most ``ahead_bytes`` (and ``4 x threads``
-    samples, the one being written included) are in flight at once.
+    reads such a source's files in threads (``Task.read_threads``, or :func:`_slow_reads`'s
+    verdict on a shard's first reads): in the C loop's threads where the writer has the C loop
+    (``add_files``: shardio/_tarpack.c), else here, for a writer without it (compressed
+    fields, no C extension), whose samples then go through its ``add``.  A read releases the
+    GIL.  At most ``ahead_bytes`` (and ``4 x threads`` samples, the one being written
+    included) are in flight at once.
     """
 
     def __init__(self, samples: list[Sample], threads: int, ahead_bytes: int = 64 << 20,
@@ -246,33 +247,39 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
     # handle (a file it cannot read, a name that needs a pax header, ...) to the code below.
     add_files = writer.add_files
     samples = task.samples if isinstance(task.samples, list) else list(task.samples)
-    ahead = None
-    if task.read_threads > 1:  # a slow source: its files read in threads (see _ReadAhead)
-        ahead, add_files = _ReadAhead(samples, task.read_threads), None
+    # A slow source's files are read in threads: by the C loop where the writer has one (its
+    # threads read a batch's files into place), else ahead of the Python code (_ReadAhead).
+    threads, ahead = 1, None
+    if task.read_threads > 1:  # the scan found the source slow
+        threads = task.read_threads
     # Task.read_threads 0: time the first reads (_PROBE), and go on in threads if they are slow.
     probe = 0
-    if task.read_threads == 0 and ahead is None:
+    if task.read_threads == 0:
         if _PROBE.verdict:
-            ahead, add_files = _ReadAhead(samples, AUTO_SCAN_THREADS), None
+            threads = AUTO_SCAN_THREADS
         else:
             probe = min(len(samples), _PROBE.want())
+    if threads > 1 and add_files is None:
+        ahead = _ReadAhead(samples, threads)
     t_probe = time.perf_counter()
-    # A simulated slow store (SHARDIO_SLOW_READS) under the source: every read pays its delay.
+    # A simulated slow store (SHARDIO_SLOW_READS) under the source: every read pays its delay,
+    # the C loop's too (it sleeps each sample's, in the thread reading it).
     slow_store = bool(samples and samples[0].files) and _inject.covers(samples[0].files[0][1])
-    if slow_store:
-        add_files = None
+    delays = _inject.sample_delays(samples) if slow_store and add_files is not None else None
     i, n = 0, len(samples)
     try:
         while i < n:
             if probe and i >= probe:
                 probe = 0
                 if _PROBE.add(samples[:i], time.perf_counter() - t_probe):
-                    ahead = _ReadAhead(samples, AUTO_SCAN_THREADS, start=i)
-                    add_files = None
+                    threads = AUTO_SCAN_THREADS
+                    if add_files is None:
+                        ahead = _ReadAhead(samples, threads, start=i)
             if add_files is not None:
                 # While probing, the C loop stops at the end of the probe (it would otherwise
                 # write the whole shard in one call).
-                i = add_files(samples[:probe] if probe else samples, i, LABEL_FIELD)
+                i = add_files(samples[:probe] if probe else samples, i, LABEL_FIELD, threads,
+                              None if delays is None else delays[:probe] if probe else delays)
                 if i >= n:
                     break
                 if probe and i >= probe:

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -261,61 +262,91 @@ def test_reads_ahead_are_bounded(tmp_path: Path) -> None:
         tight.close()
 
 
+# Packs argv[1] automatically and with one thread; "readers": the most threads that read files
+# at once, seen either way: the C loop's (the threads argument of _tarpack.fill) or the Python
+# reads' (_read_sample's distinct threads; argv[3] == "python" takes the C loop away).
 _READ_CHILD = textwrap.dedent("""
     import json, os, shutil, sys, threading, time
-    import shardio, shardio.packer as packer
-    seen = set()
+    import shardio, shardio.packer as packer, shardio.formats.tar as tar_format
+    seen, fills = set(), []
     real = packer._read_sample
     def spy(s):
         seen.add(threading.get_ident())
         return real(s)
     packer._read_sample = spy
+    real_fill = tar_format._fill
+    def fill_spy(*args):
+        fills.append(args[11] if len(args) > 11 else 1)
+        assert len(args) < 13 or args[12] is not None  # the simulated delays reach the C loop
+        return real_fill(*args)
+    tar_format._fill = None if sys.argv[3] == "python" else fill_spy
     out = {}
     for threads in (None, 1):
         dest = f"{sys.argv[2]}-{threads}"
         seen.clear()
+        fills.clear()
         t = time.perf_counter()
         shardio.pack(sys.argv[1], dest, samples_per_shard=100, scan_threads=threads, fsync=False,
                      progress=False)
-        out[str(threads)] = {"seconds": time.perf_counter() - t, "readers": len(seen),
+        out[str(threads)] = {"seconds": time.perf_counter() - t,
+                             "readers": max([len(seen), *fills]),
                              "files": {n: open(os.path.join(dest, n), "rb").read().hex()
                                        for n in sorted(os.listdir(dest))}}
     print(json.dumps(out))
 """)
 
 
-def test_a_slow_source_is_read_in_threads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reader", ["c", "python"])
+def test_a_slow_source_is_read_in_threads(tmp_path: Path, reader: str) -> None:
     src = write_files(tmp_path / "src", {f"d{i % 2}/f{i:04d}.bin": os.urandom(300)
                                          for i in range(300)})
     env = {**os.environ, "SHARDIO_SLOW_STATS": f"{src}:0.001",
            "SHARDIO_SLOW_READS": f"{src}:1GB:0.001"}
-    proc = subprocess.run([sys.executable, "-c", _READ_CHILD, str(src), str(tmp_path / "out")],
+    proc = subprocess.run([sys.executable, "-c", _READ_CHILD, str(src), str(tmp_path / "out"),
+                           reader],
                           env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     auto, one = got["None"], got["1"]
     assert auto["files"] == one["files"]  # the same shards and manifest
     assert auto["readers"] > 1 and one["readers"] == 1
-    print(f"[pack] 300 files at 1 ms a stat and 1 ms a read: {one['seconds']:.2f} s in one "
-          f"thread, {auto['seconds']:.2f} s automatic")
+    print(f"[pack, {reader} reads] 300 files at 1 ms a stat and 1 ms a read: "
+          f"{one['seconds']:.2f} s in one thread, {auto['seconds']:.2f} s automatic")
 
 
-def test_slow_reads_alone_turn_read_threads_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reader", ["c", "python"])
+def test_slow_reads_alone_turn_read_threads_on(tmp_path: Path, reader: str) -> None:
     # Fast stats (a cached namespace) but slow reads: the scan keeps one thread, and each shard
     # times its first 128 reads and goes on in threads.
     src = write_files(tmp_path / "src", {f"d{i % 2}/f{i:04d}.bin": os.urandom(300)
                                          for i in range(300)})
     env = {k: v for k, v in os.environ.items() if k != "SHARDIO_SLOW_STATS"}
     env["SHARDIO_SLOW_READS"] = f"{src}:1GB:0.002"
-    proc = subprocess.run([sys.executable, "-c", _READ_CHILD, str(src), str(tmp_path / "out")],
+    proc = subprocess.run([sys.executable, "-c", _READ_CHILD, str(src), str(tmp_path / "out"),
+                           reader],
                           env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     auto, one = got["None"], got["1"]
     assert auto["files"] == one["files"]
     assert auto["readers"] > 1 and one["readers"] == 1
-    print(f"[pack] 300 files at 2 ms a read: {one['seconds']:.2f} s in one thread, "
-          f"{auto['seconds']:.2f} s automatic")
+    print(f"[pack, {reader} reads] 300 files at 2 ms a read: {one['seconds']:.2f} s in one "
+          f"thread, {auto['seconds']:.2f} s automatic")
+
+
+def _spy_fill(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Record each call of the tar writer's C loop: (first key of its list, start, threads)."""
+    import shardio.formats.tar as tar_format
+
+    calls: list[tuple[str, int, int]] = []
+    real = tar_format._fill
+
+    def spy(*args: Any) -> Any:
+        calls.append((args[0][0].key, args[1], args[11] if len(args) > 11 else 1))
+        return real(*args)
+
+    monkeypatch.setattr(tar_format, "_fill", spy)
+    return calls
 
 
 @pytest.mark.parametrize("per_shard", [200, 2])
@@ -325,18 +356,11 @@ def test_fast_reads_stay_in_the_c_loop(tmp_path: Path, monkeypatch: pytest.Monke
     # one's first batch (page faults of fresh buffers included) on its own.
     import shardio.packer as packer
 
-    made = []
-    real = packer._ReadAhead
-
-    def spy(*args: object, **kwargs: object) -> object:
-        made.append(args)
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(packer, "_ReadAhead", spy)
+    fills = _spy_fill(monkeypatch)
     src = write_files(tmp_path / "src", {f"d/f{i:04d}.bin": b"x" * 100 for i in range(500)})
     shardio.pack(src, tmp_path / "out", samples_per_shard=per_shard, fsync=False,
                  progress=False)
-    assert made == []
+    assert fills and {threads for _key, _start, threads in fills} == {1}
     assert packer._PROBE.verdict is False and packer._PROBE.samples >= 128
     assert packer._slow_reads(128, 128_000, 0.08)
     assert not packer._slow_reads(128, 128_000, 0.03)
@@ -348,21 +372,21 @@ def test_the_c_loop_stops_for_the_read_probe(tmp_path: Path,
     # samples, and a "slow" verdict (forced) must move the rest of the shard to threads.
     import shardio.packer as packer
 
-    starts: list[int] = []
-    real = packer._ReadAhead
-
-    def spy(samples: list[Sample], threads: int, ahead_bytes: int = 64 << 20,
-            start: int = 0) -> object:
-        starts.append(start)
-        return real(samples, threads, ahead_bytes, start)
-
-    monkeypatch.setattr(packer, "_ReadAhead", spy)
+    fills = _spy_fill(monkeypatch)
     monkeypatch.setattr(packer, "_slow_reads", lambda files, nbytes, seconds: True)
     src = write_files(tmp_path / "src", {f"d/f{i:04d}.bin": bytes([i % 256]) * 300
                                          for i in range(500)})
     shardio.pack(src, tmp_path / "out", samples_per_shard=200, fsync=False, progress=False)
-    assert starts == [128, 0, 0]  # shard 0 from its 129th sample; later ones without a probe
-    monkeypatch.setattr(packer, "_ReadAhead", real)
+    # Where each shard (its first key) went on in threads: shard 0 from its 129th sample, later
+    # ones from their first, without a probe.
+    firsts: dict[str, int] = {}
+    for key, start, threads in fills:
+        if threads > 1:
+            firsts.setdefault(key, start)
+    assert list(firsts.values()) == [128, 0, 0]
+    assert all(threads == 1 for key, start, threads in fills if key in firsts and
+               start < firsts[key])
+    monkeypatch.undo()
     shardio.pack(src, tmp_path / "ref", samples_per_shard=200, scan_threads=1, fsync=False,
                  progress=False)
     assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "ref")

@@ -10,6 +10,7 @@ the C loop did take part (so a fallback everywhere cannot pass for equality).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,17 @@ pytestmark = pytest.mark.skipif(tar_format._fill is None, reason="shardio._tarpa
 
 
 class _Counting:
-    """Wraps ``_tarpack.fill``: counts the samples it wrote."""
+    """Wraps ``_tarpack.fill``: counts the samples it wrote; with ``threads``, every call reads
+    its files in that many threads (as a pack of a slow source does)."""
 
-    def __init__(self, fill: Any) -> None:
+    def __init__(self, fill: Any, threads: int = 0) -> None:
         self.fill = fill
         self.samples = 0
+        self.threads = threads
 
     def __call__(self, samples: list[Any], start: int, *args: Any) -> Any:
+        if self.threads:
+            args = (*args[:9], self.threads, *args[10:])
         result = self.fill(samples, start, *args)
         self.samples += result[0] - start
         return result
@@ -45,12 +50,13 @@ class _Counting:
 _WRITERS = {"tar": tar_format, "hdf5": hdf5_format}
 
 
-def _pack_both(src: Path, out: Path, monkeypatch: pytest.MonkeyPatch,
+def _pack_both(src: Path, out: Path, monkeypatch: pytest.MonkeyPatch, threads: int = 0,
                **options: Any) -> tuple[dict[str, bytes], int]:
-    """Pack ``src`` with the C loop and with the Python code; return the output files (the same
-    both ways, asserted) and how many samples the C loop wrote."""
+    """Pack ``src`` with the C loop (its files read in ``threads`` threads, when given) and with
+    the Python code; return the output files (the same both ways, asserted) and how many
+    samples the C loop wrote."""
     writer = _WRITERS[options.get("format", "tar")]
-    counting = _Counting(writer._fill)
+    counting = _Counting(writer._fill, threads)
     monkeypatch.setattr(writer, "_fill", counting)
     shardio.pack(src, out / "c", progress=False, **options)
     monkeypatch.setattr(writer, "_fill", None)
@@ -107,6 +113,45 @@ def test_same_bytes_as_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+@pytest.mark.parametrize("label", [True, False])
+def test_threaded_reads_write_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             small_batches: None, label: bool, fmt: str) -> None:
+    """The C loop's reader threads (a slow source) lay every member where the serial loop
+    does: empty files, sizes across block boundaries, several fields and the label."""
+    src = _varied_tree(tmp_path / "src")
+    _files, in_c = _pack_both(src, tmp_path / "out", monkeypatch, threads=4,
+                             label_from_dir=label, samples_per_shard=17, format=fmt)
+    assert in_c > 60
+
+
+def test_threaded_reads_run_at_once(tmp_path: Path) -> None:
+    """With a simulated 0.1 s a sample, 8 samples take 0.8 s in one thread and about 0.1 s in 8:
+    the C loop's threads read at the same time (and sleep each sample's delay)."""
+    from array import array
+
+    samples = []
+    for k in range(8):
+        (tmp_path / f"f{k}.bin").write_bytes(bytes([k]) * 3000)
+        samples.append(_sample(tmp_path / f"f{k}.bin"))
+    delays = array("d", [0.1] * 8)
+    took = {}
+    for threads in (8, 1):
+        w = TarWriter(str(tmp_path / f"t{threads}.tar"), Codec(), "xxh3_64", fsync=False)
+        t = time.perf_counter()
+        assert w.add_files(samples, 0, "cls", threads, delays) == 8
+        took[threads] = time.perf_counter() - t
+        w.close()
+    assert took[1] >= 0.8  # each sample's delay slept
+    assert took[8] < 0.5, took  # at once (0.1 s and thread starts; 0.8 s one after another)
+    assert (tmp_path / "t8.tar").read_bytes() == (tmp_path / "t1.tar").read_bytes()
+    with pytest.raises(ValueError, match="threads"):
+        TarWriter(str(tmp_path / "x.tar"), Codec(), "xxh3_64").add_files(samples, 0, "cls", 0)
+    with pytest.raises(ValueError, match="delays"):
+        TarWriter(str(tmp_path / "y.tar"), Codec(), "xxh3_64").add_files(
+            samples, 0, "cls", 2, array("d", [0.0]))
+
+
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
 def test_sample_larger_than_a_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                      fmt: str) -> None:
     # Bigger than a batch buffer (3 MiB; HDF5: the room left in the payload buffer): it gets a
@@ -150,20 +195,22 @@ def _sample(path: Path, size: int | None = None, key: str | None = None) -> Samp
                                       st_.st_mtime_ns)], 1)
 
 
-def _write(samples: list[Sample], out: Path, use_c: bool) -> Iterator[int]:
+def _write(samples: list[Sample], out: Path, use_c: bool, threads: int = 1) -> Iterator[int]:
     """Write ``samples`` to shard ``out`` as packer._pack_shard does; yield where add_files
-    stopped each time."""
+    (reading in ``threads`` threads) stopped each time."""
     w = TarWriter(str(out), Codec(), "xxh3_64", fsync=False)
     i = 0
     while i < len(samples):
         if use_c:
-            i = w.add_files(samples, i, "cls")
+            i = w.add_files(samples, i, "cls", threads)
             yield i
             if i >= len(samples):
                 break
         s = samples[i]
         i += 1
         fields = []
+        if not all(os.path.exists(path) for _n, path, _s, _m in s.files):
+            continue  # skipped, as --on-error skip does
         for name, path, size, _m in s.files:
             with open(path, "rb") as f:
                 fields.append((name, f.read()))
@@ -173,29 +220,36 @@ def _write(samples: list[Sample], out: Path, use_c: bool) -> Iterator[int]:
     w.close()
 
 
-def test_hands_back_grown_and_unreadable_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 3])
+def test_hands_back_grown_and_unreadable_files(tmp_path: Path, threads: int) -> None:
     d = tmp_path / "d"
     d.mkdir()
     for k in range(6):
         (d / f"f{k}.bin").write_bytes(bytes([k]) * (1000 + k))
     samples = [_sample(d / f"f{k}.bin") for k in range(6)]
     samples[2] = _sample(d / "f2.bin", size=500)  # grew since the scan: 1002 bytes now
+    samples[5] = Sample("f5", [("bin", str(d / "missing.bin"), 7, 0)], 1)
     os.chmod(d / "f4.bin", 0)
-    unreadable = os.geteuid() != 0  # root reads it anyway: then only f2 is handed back
-    stops = list(_write(samples, tmp_path / "c.tar", use_c=True))
-    assert stops == ([2, 4, 6] if unreadable else [2, 6])
+    unreadable = os.geteuid() != 0  # root reads it anyway: then only f2 and f5 are handed back
+    stops = list(_write(samples, tmp_path / "c.tar", use_c=True, threads=threads))
+    assert stops == ([2, 4, 5] if unreadable else [2, 5])  # (f5 then skipped: the last)
     os.chmod(d / "f4.bin", 0o644)
     list(_write(samples, tmp_path / "py.tar", use_c=False))
     assert (tmp_path / "c.tar").read_bytes() == (tmp_path / "py.tar").read_bytes()
     assert (tmp_path / "c.tar.idx").read_bytes() == (tmp_path / "py.tar.idx").read_bytes()
     index = load_tar_index(str(tmp_path / "c.tar"))
-    assert len(index) == 6
+    assert len(index) == 5
 
 
-def test_shrunk_file_is_written_at_its_new_size(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shrunk_file_is_written_at_its_new_size(tmp_path: Path, threads: int) -> None:
     (tmp_path / "a.bin").write_bytes(b"x" * 700)
-    samples = [_sample(tmp_path / "a.bin", size=5000)]  # the scan saw 5000 bytes
-    assert list(_write(samples, tmp_path / "c.tar", use_c=True)) == [1]
+    (tmp_path / "b.bin").write_bytes(b"y" * 30)
+    # The scan saw 5000 bytes of a.bin.  The serial loop writes it at its new size; the reader
+    # threads laid the batch out from the scan's sizes and hand it to the Python code.
+    samples = [_sample(tmp_path / "a.bin", size=5000), _sample(tmp_path / "b.bin")]
+    assert list(_write(samples, tmp_path / "c.tar", use_c=True, threads=threads)) == (
+        [2] if threads == 1 else [0, 2])
     list(_write(samples, tmp_path / "py.tar", use_c=False))
     assert (tmp_path / "c.tar").read_bytes() == (tmp_path / "py.tar").read_bytes()
     assert (tmp_path / "c.tar.idx").read_bytes() == (tmp_path / "py.tar.idx").read_bytes()

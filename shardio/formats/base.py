@@ -351,9 +351,10 @@ class ShardWriter:
     """Write one shard to a temp name; :meth:`close` publishes it atomically, :meth:`abort` drops it."""
 
     suffix = ""
-    # ``add_files(samples, start, label_field) -> int``, when a writer has it: read and add
-    # ``shardio._scan.Sample``s from ``start`` on, returning the first one left to :meth:`add`.
-    add_files: Callable[[list[Any], int, str], int] | None = None
+    # ``add_files(samples, start, label_field, threads=1, delays=None) -> int``, when a writer
+    # has it: read and add ``shardio._scan.Sample``s from ``start`` on (their files read by
+    # ``threads`` threads), returning the first one left to :meth:`add`.
+    add_files: Callable[..., int] | None = None
 
     def add(self, key: str, fields: Sequence[tuple[str, bytes]]) -> None:
         raise NotImplementedError

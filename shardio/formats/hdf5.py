@@ -117,8 +117,10 @@ class Hdf5Writer(ShardWriter):
             used = end
         self._used = used
 
-    def _add_files(self, samples: list[Any], start: int, label_field: str) -> int:
-        """Read and add samples ``samples[start:]`` (:class:`shardio._scan.Sample`) in C.
+    def _add_files(self, samples: list[Any], start: int, label_field: str, threads: int = 1,
+                   delays: Any = None) -> int:
+        """Read and add samples ``samples[start:]`` (:class:`shardio._scan.Sample`) in C
+        (``threads`` and ``delays`` as for ``TarWriter.add_files``).
 
         Returns the index of the first sample not added: ``len(samples)``, or a sample the C
         code leaves to the caller (see shardio/_tarpack.c: non-ASCII names, a file it cannot
@@ -135,10 +137,12 @@ class Hdf5Writer(ShardWriter):
             if len(self._buf) - used > _FILL:
                 with memoryview(self._buf) as whole, whole[used:] as out:
                     result = _fill(samples, start, index._names, label_field, self._check, used,
-                                   len(index._keys), len(index.f_name), _FILL, out, False)
+                                   len(index._keys), len(index.f_name), _FILL, out, False,
+                                   threads, delays)
             else:
                 result = _fill(samples, start, index._names, label_field, self._check, used,
-                               len(index._keys), len(index.f_name), _FILL, None, False)
+                               len(index._keys), len(index.f_name), _FILL, None, False, threads,
+                               delays)
             (start, slow, length, data, keys, key_offsets, starts, name_ids, offsets, lengths,
              checksums) = result
             index.add_columns(keys, key_offsets, starts, name_ids, offsets, lengths, checksums)

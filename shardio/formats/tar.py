@@ -304,8 +304,11 @@ class TarWriter(ShardWriter):
         if pending >= _FLUSH or len(iov) >= _IOV_MAX - 64:
             self._flush_behind()
 
-    def _add_files(self, samples: list[Any], start: int, label_field: str) -> int:
-        """Read and add samples ``samples[start:]`` (:class:`shardio._scan.Sample`) in C.
+    def _add_files(self, samples: list[Any], start: int, label_field: str, threads: int = 1,
+                   delays: Any = None) -> int:
+        """Read and add samples ``samples[start:]`` (:class:`shardio._scan.Sample`) in C, their
+        files read by ``threads`` threads (a slow source; ``delays``: a simulated one's seconds
+        per sample, see shardio/_tarpack.c).
 
         Returns the index of the first sample not added: ``len(samples)``, or a sample the C
         code leaves to the caller (see shardio/_tarpack.c: pax names, compression, a file it
@@ -326,7 +329,8 @@ class TarWriter(ShardWriter):
             out = self._buffers[self._turn]
             (start, slow, length, data, keys, key_offsets, starts, name_ids, offsets, lengths,
              checksums) = _fill(samples, start, index._names, label_field, self._check, self._pos,
-                                len(index._keys), len(index.f_name), _FLUSH, out)
+                                len(index._keys), len(index.f_name), _FLUSH, out, True,
+                                threads, delays)
             index.add_columns(keys, key_offsets, starts, name_ids, offsets, lengths, checksums)
             if length:
                 if data is None:
