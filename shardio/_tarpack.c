@@ -1,7 +1,7 @@
 /* shardio._tarpack: the hot loop of `shardio pack` for plain members (tar, and HDF5's payload).
  *
  *   fill(samples, start, names, label_field, check, base_pos, base_key, base_row, cap, out,
- *        headers=True)
+ *        headers=True, threads=1, delays=None)
  *       -> (stop, slow, length, data, keys, key_offsets, starts, name_ids, offsets, lengths,
  *           checksums)
  *
@@ -33,6 +33,17 @@
  * With headers=False the members' data are laid out back to back, with no header and no padding:
  * an HDF5 shard's /payload, byte for byte what shardio.formats.hdf5.Hdf5Writer.add collects.  The
  * tar-only limits (ustar name length and size) then do not apply.
+ *
+ * With threads > 1 (a slow source: a parallel filesystem's open and read are round trips), the
+ * batch's samples are handed out one at a time to that many reader threads (at most
+ * MAX_READERS; created and joined inside the call, so none outlives it), each reading its
+ * sample's files into the places the scan's sizes give them.  The calling thread then goes
+ * through the batch in order and stops at the first sample with a file not read at exactly its
+ * scan size (unreadable, grown or shrunk: slow=True there, as above, and the Python code writes
+ * it; the serial loop writes a shrunk file itself), then writes the headers and padding.  The
+ * bytes are the same as the serial loop's.  `delays` (a float64 buffer, one per sample of
+ * `samples`): seconds each sample's reader sleeps before reading it, a simulated slow store's
+ * latency (shardio._inject, SHARDIO_SLOW_READS), so the C loop stays on under simulation.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -51,6 +62,7 @@
 #define BLOCK 512
 #define USTAR_SIZE_LIMIT 8589934592LL /* 8**11 */
 #define LABEL_MAX 40
+#define MAX_READERS 64 /* reader threads of one fill call, at most */
 
 typedef struct {
     PyObject *path;        /* owned reference (NULL for the label member) */
@@ -503,9 +515,9 @@ read_threaded(Batch *b, char *buf, int headers, int threads, const double *delay
     if (threads > b->ns) {
         threads = (int)b->ns;
     }
-    pthread_t tids[64];
+    pthread_t tids[MAX_READERS];
     int started = 0;
-    for (; started < threads - 1 && started < 64; started++) {
+    for (; started < threads - 1 && started < MAX_READERS; started++) {
         if (pthread_create(&tids[started], NULL, pool_reader, &pool) != 0) {
             break; /* fewer threads: this one reads the rest */
         }
@@ -559,9 +571,12 @@ tarpack_fill(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "start out of range");
         return NULL;
     }
-    if (threads < 1 || threads > 64) {
-        PyErr_SetString(PyExc_ValueError, "threads must be 1 to 64");
+    if (threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "threads must be >= 1");
         return NULL;
+    }
+    if (threads > MAX_READERS) {
+        threads = MAX_READERS; /* (--scan-threads has no upper bound) */
     }
     Py_buffer delays_view = {0};
     const double *delays = NULL;

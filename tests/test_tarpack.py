@@ -144,6 +144,10 @@ def test_threaded_reads_run_at_once(tmp_path: Path) -> None:
     assert took[1] >= 0.8  # each sample's delay slept
     assert took[8] < 0.5, took  # at once (0.1 s and thread starts; 0.8 s one after another)
     assert (tmp_path / "t8.tar").read_bytes() == (tmp_path / "t1.tar").read_bytes()
+    w = TarWriter(str(tmp_path / "t100.tar"), Codec(), "xxh3_64", fsync=False)
+    assert w.add_files(samples, 0, "cls", 100) == 8  # --scan-threads 100: 64 at most, no error
+    w.close()
+    assert (tmp_path / "t100.tar").read_bytes() == (tmp_path / "t1.tar").read_bytes()
     with pytest.raises(ValueError, match="threads"):
         TarWriter(str(tmp_path / "x.tar"), Codec(), "xxh3_64").add_files(samples, 0, "cls", 0)
     with pytest.raises(ValueError, match="delays"):
