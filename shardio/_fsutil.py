@@ -42,6 +42,38 @@ def parse_size(text: str | int | float) -> int:
     return value
 
 
+# A read returns at most ~2 GiB whatever it asks for (Linux: 2 GiB less a page; macOS: 2 GiB), so
+# a short read that long may be that cap rather than the end of the file: read on.  A shorter
+# short read of a regular file is its end, as everywhere else in shardio.
+BIG_READ = 1 << 30
+
+
+def pread_full(fd: int, n: int, offset: int) -> bytes:
+    """``os.pread(fd, n, offset)``, read on past the kernel's cap on one read (a sample or span
+    over 2 GiB); fewer than ``n`` bytes only at the end of the file."""
+    data = os.pread(fd, n, offset)
+    last = len(data)
+    if last < n and last >= BIG_READ:
+        parts, got = [data], last
+        while last >= BIG_READ and got < n:
+            chunk = os.pread(fd, n - got, offset + got)
+            last = len(chunk)
+            parts.append(chunk)
+            got += last
+        data = b"".join(parts)
+    return data
+
+
+def preadv_full(fd: int, buf: memoryview, offset: int) -> int:
+    """``os.preadv(fd, [buf], offset)`` read on past the kernel's cap on one read; returns the
+    bytes read (fewer than ``len(buf)`` only at the end of the file)."""
+    got = last = os.preadv(fd, [buf], offset)
+    while last >= BIG_READ and got < len(buf):
+        last = os.preadv(fd, [buf[got:]], offset + got)
+        got += last
+    return got
+
+
 def translate_oserror(exc: OSError, path: str, action: str) -> ShardIOError:
     """Map an OSError raised while touching ``path`` to the shardio error a caller should see."""
     if exc.errno in _FULL:

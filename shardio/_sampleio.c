@@ -69,6 +69,9 @@
 #include <unistd.h>
 
 #define SCRATCH (64 * 1024)
+/* A read returns at most ~2 GiB: a span this long goes to the Python read, which reads on past
+ * that cap (shardio._fsutil.BIG_READ). */
+#define BIG_READ (1LL << 30)
 #define MAX_FIELDS 64
 
 enum { A_KEYOFF, A_START, A_NAME, A_FLAGS, A_OFFSET, A_LENGTH, A_CHECKSUM, A_LO, A_HI, N_ARRAYS };
@@ -297,6 +300,9 @@ index_get(IndexObject *self, PyObject *args)
         goto fallback;
     }
     ssize_t want = (ssize_t)(cursor - (uint64_t)lo), got = 0;
+    if (want >= BIG_READ) { /* over what one read returns: the Python read reads on */
+        goto fallback;
+    }
     if (want > 0) {
         Py_BEGIN_ALLOW_THREADS
         do {
@@ -445,6 +451,9 @@ index_get_into(IndexObject *self, PyObject *args)
     if (plain <= 0 || !rows_inside(self, &sp, (uint64_t)sp.lo, (uint64_t)sp.hi)) {
         return plain < 0 ? NULL : Py_NewRef(Py_None);
     }
+    if (sp.hi - sp.lo >= BIG_READ) { /* over what one read returns: the Python read reads on */
+        return Py_NewRef(Py_None);
+    }
     Py_buffer pb;
     if (PyObject_GetBuffer(bufobj, &pb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         return NULL;
@@ -581,8 +590,8 @@ read_many(PyObject *mod, PyObject *args)
         if (plain < 0) {
             PyErr_Clear(); /* the caller's read raises it */
         }
-        if (plain <= 0 || sp.hi <= sp.lo || !rows_inside(ix, &sp, (uint64_t)sp.lo,
-                                                         (uint64_t)sp.hi)) {
+        if (plain <= 0 || sp.hi <= sp.lo || sp.hi - sp.lo >= BIG_READ
+            || !rows_inside(ix, &sp, (uint64_t)sp.lo, (uint64_t)sp.hi)) {
             break;
         }
         Py_ssize_t off = (used + 63) & ~(Py_ssize_t)63, want = (Py_ssize_t)(sp.hi - sp.lo);

@@ -63,6 +63,9 @@
 #define USTAR_SIZE_LIMIT 8589934592LL /* 8**11 */
 #define LABEL_MAX 40
 #define MAX_READERS 64 /* reader threads of one fill call, at most */
+/* A read returns at most ~2 GiB (Linux: 2 GiB less a page): a short read that long may be that
+ * cap rather than the end of the file (shardio._fsutil.BIG_READ). */
+#define BIG_READ (1LL << 30)
 
 typedef struct {
     PyObject *path;        /* owned reference (NULL for the label member) */
@@ -397,14 +400,26 @@ read_member(Member *m, char *dst, int *dfd, char *cur_dir, Py_ssize_t *cur_len)
     if (fd < 0) {
         return -1;
     }
-    /* One read, as the Python code does: a short read of a regular file is its end, and
-     * m->size + 1 bytes mean it grew since the scan. */
-    ssize_t got;
-    do {
-        got = read(fd, dst, (size_t)m->size + 1);
-    } while (got < 0 && errno == EINTR);
+    /* One read, as the Python code does: a short read of a regular file is its end (unless it
+     * is the kernel's cap on one read: BIG_READ), and m->size + 1 bytes mean it grew since the
+     * scan. */
+    long long total = 0;
+    for (;;) {
+        ssize_t got;
+        do {
+            got = read(fd, dst + total, (size_t)(m->size + 1 - total));
+        } while (got < 0 && errno == EINTR);
+        if (got < 0) {
+            total = -1;
+            break;
+        }
+        total += got;
+        if (got < BIG_READ || total > m->size) {
+            break;
+        }
+    }
     close(fd);
-    return got < 0 || got > m->size ? -1 : (long long)got;
+    return total < 0 || total > m->size ? -1 : total;
 }
 
 /* Sleep `seconds` (a simulated slow store's delay: shardio._inject). */
@@ -479,13 +494,29 @@ pool_reader(void *arg)
                 continue;
             }
             char extra;
-            struct iovec iov[2] = {{dst, (size_t)m->size}, {&extra, 1}};
-            ssize_t got;
-            do {
-                got = readv(fd, iov, 2);
-            } while (got < 0 && errno == EINTR);
+            long long total = 0;
+            for (;;) { /* (reads on past the kernel's cap on one read, as read_member) */
+                struct iovec iov[2];
+                int cnt = 0;
+                if (total < m->size) {
+                    iov[cnt++] = (struct iovec){dst + total, (size_t)(m->size - total)};
+                }
+                iov[cnt++] = (struct iovec){&extra, 1};
+                ssize_t got;
+                do {
+                    got = readv(fd, iov, cnt);
+                } while (got < 0 && errno == EINTR);
+                if (got < 0) {
+                    total = -1;
+                    break;
+                }
+                total += got;
+                if (got < BIG_READ || total > m->size) {
+                    break;
+                }
+            }
             close(fd);
-            m->got = got == m->size ? m->size : -1;
+            m->got = total == m->size ? m->size : -1;
         }
     }
     if (dfd >= 0) {

@@ -59,6 +59,7 @@ import xxhash
 
 from . import __version__, _inject
 from ._fsutil import (
+    BIG_READ,
     atomic_write_bytes,
 )
 from ._packpool import Task as _Task
@@ -155,12 +156,14 @@ def _read_file(path: str, size: int = 0) -> bytes:
         fd = os.open(path, _O_READ)
         try:
             # One read when the size from the scan still holds; a short read of a regular file
-            # is EOF, and a file that grew since the scan is read to its end.
+            # is EOF, and a file that grew since the scan is read to its end.  So is a file over
+            # the kernel's cap on one read (~2 GiB): before, it was packed cut at the cap.
             data = os.read(fd, size + 1)
-            if len(data) > size:
-                rest = [data]
-                while chunk := os.read(fd, 1 << 20):
+            if len(data) > size or len(data) >= BIG_READ:
+                rest, got = [data], len(data)
+                while chunk := os.read(fd, max(1 << 20, min(size + 1 - got, BIG_READ))):
                     rest.append(chunk)
+                    got += len(chunk)
                 data = b"".join(rest)
             return data
         finally:
@@ -314,7 +317,7 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
                             # A second try, raising the typed error.
                             data = _read_file(path, size)
                         else:
-                            if len(data) > size:
+                            if len(data) > size or len(data) >= BIG_READ:
                                 data = _read_file(path, size)
                         fields.append((name, data))
             except UnreadableFileError:

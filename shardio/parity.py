@@ -43,7 +43,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from ._fsutil import atomic_writer, resolve_in, translate_oserror
+from ._fsutil import atomic_writer, pread_full, resolve_in, translate_oserror
 from .checksum import StreamHasher, file_digest, new_digest
 from .config import PARITY_MAX_BLOCKS, parse_parity
 from .config import check_km as _check_km
@@ -94,7 +94,7 @@ def _open_fd(stack: ExitStack, path: str) -> int:
 def _pread_padded(fd: int, offset: int, length: int, path: str) -> bytes:
     """``length`` bytes at ``offset``; past the end of the file the block is zeros."""
     try:
-        data = os.pread(fd, length, offset)
+        data = pread_full(fd, length, offset)
     except OSError as exc:
         raise translate_oserror(exc, path, "reading") from exc
     if len(data) < length:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from .. import _inject
-from .._fsutil import translate_oserror
+from .._fsutil import pread_full, preadv_full, translate_oserror
 from ..checksum import hex64, sample_checksum_fn
 from ..codec import Codec
 from ..errors import (
@@ -438,7 +438,7 @@ class ShardReader:
         if n <= 0:
             return b""
         try:
-            data = os.pread(self._fd(), n, start)
+            data = pread_full(self._fd(), n, start)
         except OSError as exc:
             raise translate_oserror(exc, self.path, f"reading offset {start} of") from exc
         self._after_read(start, n, len(data))
@@ -466,7 +466,7 @@ class ShardReader:
         view, off, mv = arena.take(n)
         fd = self._hfd if self._hpid == _PID[0] and self._hfd is not None else self._fd()
         try:
-            got = os.preadv(fd, [mv], start)
+            got = preadv_full(fd, mv, start)
         except OSError as exc:
             raise translate_oserror(exc, self.path, f"reading offset {start} of") from exc
         if got < n or _inject.ACTIVE:
@@ -703,7 +703,8 @@ def verify_fields(path: str, index: ShardIndex, block: int = 8 << 20) -> list[Pr
                 end = max(end, int(hi[j]))
                 j += 1
             try:
-                buf = os.pread(fd, max(0, min(end, size) - start), start) if start < size else b""
+                buf = (pread_full(fd, max(0, min(end, size) - start), start) if start < size
+                       else b"")
             except OSError as exc:
                 problems.append(Problem(path, f"read error ({exc.strerror})", offset=start))
                 buf = b""

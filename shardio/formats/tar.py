@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._fsutil import tmp_name, translate_oserror
+from .._fsutil import pread_full, tmp_name, translate_oserror
 from ..checksum import digest_bytes, new_digest, sample_checksum_fn
 from ..codec import FLAG_ZSTD, Codec
 from ..errors import (
@@ -499,7 +499,7 @@ def index_tar(path: str, checksum: str) -> tuple[ShardIndex, dict[str, int]]:
             if key != last_key:
                 builder.add_sample(key)
                 last_key = key
-            data = os.pread(fd, m.size, m.offset_data)
+            data = pread_full(fd, m.size, m.offset_data)
             if len(data) < m.size:
                 raise ShardTruncatedError(f"{path}: member {m.name} is truncated")
             builder.add_field(field, 0, m.offset_data, m.size, m.size, check(data))
