@@ -374,10 +374,12 @@ write_header(char *h, const char *key, Py_ssize_t key_len, const char *fname,
     octal(h + 148, 7, sum); /* six digits and a NUL; h[155] stays ' ' */
 }
 
-/* Read `m`'s file into dst (room for m->size + 1 bytes).  Returns the bytes read, or -1 when the
+/* Read `m`'s file: up to m->size bytes into dst, then one more into *spare (dst + m->size in the
+ * serial loop, whose buffer has that room; a byte of the reader thread's own in the threaded
+ * one, where the byte after dst is the next member's).  Returns the bytes read, or -1 when the
  * file cannot be read in full here (the Python code retries it). */
 static long long
-read_member(Member *m, char *dst, int *dfd, char *cur_dir, Py_ssize_t *cur_len)
+read_member(Member *m, char *dst, char *spare, int *dfd, char *cur_dir, Py_ssize_t *cur_len)
 {
     const char *name = m->cpath;
     int at = AT_FDCWD;
@@ -405,9 +407,20 @@ read_member(Member *m, char *dst, int *dfd, char *cur_dir, Py_ssize_t *cur_len)
      * scan. */
     long long total = 0;
     for (;;) {
+        struct iovec iov[2];
+        int cnt = 0;
+        if (spare == dst + m->size) { /* one buffer: a plain read's cost */
+            iov[cnt++] = (struct iovec){dst + total, (size_t)(m->size + 1 - total)};
+        }
+        else {
+            if (total < m->size) {
+                iov[cnt++] = (struct iovec){dst + total, (size_t)(m->size - total)};
+            }
+            iov[cnt++] = (struct iovec){spare, 1};
+        }
         ssize_t got;
         do {
-            got = read(fd, dst + total, (size_t)(m->size + 1 - total));
+            got = readv(fd, iov, cnt);
         } while (got < 0 && errno == EINTR);
         if (got < 0) {
             total = -1;
@@ -469,54 +482,9 @@ pool_reader(void *arg)
                 m->got = m->size;
                 continue;
             }
-            /* read_member reads size + 1 bytes into dst to see a file that grew; here the byte
-             * after dst belongs to the next member, which another thread may be writing. */
-            const char *name = m->cpath;
-            int at = AT_FDCWD;
-            if (m->dir_len > 0 && m->dir_len < PATH_MAX) {
-                if (cur_len != m->dir_len || memcmp(cur_dir, m->cpath, (size_t)m->dir_len) != 0) {
-                    if (dfd >= 0) {
-                        close(dfd);
-                    }
-                    memcpy(cur_dir, m->cpath, (size_t)m->dir_len);
-                    cur_dir[m->dir_len] = '\0';
-                    cur_len = m->dir_len;
-                    dfd = open(cur_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-                }
-                if (dfd >= 0) {
-                    at = dfd;
-                    name = m->cpath + m->dir_len + 1;
-                }
-            }
-            m->got = -1;
-            int fd = openat(at, name, O_RDONLY | O_CLOEXEC);
-            if (fd < 0) {
-                continue;
-            }
-            char extra;
-            long long total = 0;
-            for (;;) { /* (reads on past the kernel's cap on one read, as read_member) */
-                struct iovec iov[2];
-                int cnt = 0;
-                if (total < m->size) {
-                    iov[cnt++] = (struct iovec){dst + total, (size_t)(m->size - total)};
-                }
-                iov[cnt++] = (struct iovec){&extra, 1};
-                ssize_t got;
-                do {
-                    got = readv(fd, iov, cnt);
-                } while (got < 0 && errno == EINTR);
-                if (got < 0) {
-                    total = -1;
-                    break;
-                }
-                total += got;
-                if (got < BIG_READ || total > m->size) {
-                    break;
-                }
-            }
-            close(fd);
-            m->got = total == m->size ? m->size : -1;
+            char spare; /* (the byte after dst is the next member's, another thread's) */
+            long long got = read_member(m, dst, &spare, &dfd, cur_dir, &cur_len);
+            m->got = got == m->size ? m->size : -1;
         }
     }
     if (dfd >= 0) {
@@ -692,7 +660,7 @@ tarpack_fill(PyObject *self, PyObject *args)
                 got = m->size;
             }
             else {
-                got = read_member(m, dst, &dfd, cur_dir, &cur_len);
+                got = read_member(m, dst, dst + m->size, &dfd, cur_dir, &cur_len);
                 if (got < 0) {
                     failed = 1;
                     break;
