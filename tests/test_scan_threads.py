@@ -296,12 +296,16 @@ _READ_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("reader", ["c", "python"])
-def test_a_slow_source_is_read_in_threads(tmp_path: Path, reader: str) -> None:
+def _pack_slow(tmp_path: Path, reader: str, stats: str | None, reads: str) -> tuple[float, float]:
+    """Pack 300 small files under simulated latency (``SHARDIO_SLOW_STATS`` ``stats`` unless
+    None, ``SHARDIO_SLOW_READS`` ``reads``) automatically and with one thread (``_READ_CHILD``);
+    check both packs are the same and only the automatic one read in threads; their seconds."""
     src = write_files(tmp_path / "src", {f"d{i % 2}/f{i:04d}.bin": os.urandom(300)
                                          for i in range(300)})
-    env = {**os.environ, "SHARDIO_SLOW_STATS": f"{src}:0.001",
-           "SHARDIO_SLOW_READS": f"{src}:1GB:0.001"}
+    env = {k: v for k, v in os.environ.items() if k != "SHARDIO_SLOW_STATS"}
+    env["SHARDIO_SLOW_READS"] = f"{src}:{reads}"
+    if stats is not None:
+        env["SHARDIO_SLOW_STATS"] = f"{src}:{stats}"
     proc = subprocess.run([sys.executable, "-c", _READ_CHILD, str(src), str(tmp_path / "out"),
                            reader],
                           env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
@@ -310,28 +314,23 @@ def test_a_slow_source_is_read_in_threads(tmp_path: Path, reader: str) -> None:
     auto, one = got["None"], got["1"]
     assert auto["files"] == one["files"]  # the same shards and manifest
     assert auto["readers"] > 1 and one["readers"] == 1
-    print(f"[pack, {reader} reads] 300 files at 1 ms a stat and 1 ms a read: "
-          f"{one['seconds']:.2f} s in one thread, {auto['seconds']:.2f} s automatic")
+    return one["seconds"], auto["seconds"]
+
+
+@pytest.mark.parametrize("reader", ["c", "python"])
+def test_a_slow_source_is_read_in_threads(tmp_path: Path, reader: str) -> None:
+    one, auto = _pack_slow(tmp_path, reader, "0.001", "1GB:0.001")
+    print(f"[pack, {reader} reads] 300 files at 1 ms a stat and 1 ms a read: {one:.2f} s in one "
+          f"thread, {auto:.2f} s automatic")
 
 
 @pytest.mark.parametrize("reader", ["c", "python"])
 def test_slow_reads_alone_turn_read_threads_on(tmp_path: Path, reader: str) -> None:
     # Fast stats (a cached namespace) but slow reads: the scan keeps one thread, and each shard
     # times its first 128 reads and goes on in threads.
-    src = write_files(tmp_path / "src", {f"d{i % 2}/f{i:04d}.bin": os.urandom(300)
-                                         for i in range(300)})
-    env = {k: v for k, v in os.environ.items() if k != "SHARDIO_SLOW_STATS"}
-    env["SHARDIO_SLOW_READS"] = f"{src}:1GB:0.002"
-    proc = subprocess.run([sys.executable, "-c", _READ_CHILD, str(src), str(tmp_path / "out"),
-                           reader],
-                          env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    got = json.loads(proc.stdout)
-    auto, one = got["None"], got["1"]
-    assert auto["files"] == one["files"]
-    assert auto["readers"] > 1 and one["readers"] == 1
-    print(f"[pack, {reader} reads] 300 files at 2 ms a read: {one['seconds']:.2f} s in one "
-          f"thread, {auto['seconds']:.2f} s automatic")
+    one, auto = _pack_slow(tmp_path, reader, None, "1GB:0.002")
+    print(f"[pack, {reader} reads] 300 files at 2 ms a read: {one:.2f} s in one thread, "
+          f"{auto:.2f} s automatic")
 
 
 def _spy_fill(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
