@@ -76,6 +76,26 @@ def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str
     return run
 
 
+def pack_bin_dataset(base: Path, n: int, payload: Callable[[int], bytes], classes: int,
+                     samples_per_shard: int, text: Callable[[int], bool] = lambda i: True) -> Path:
+    """Pack ``n`` samples into ``base / "ds"``: sample ``i`` is ``c{i % classes}/s{i:03d}`` with a
+    ``bin`` field of ``payload(i)`` and, where ``text(i)``, a ``txt`` field; labels from the
+    class folders."""
+    import shardio
+
+    src = base / "src"
+    for i in range(n):
+        d = src / f"c{i % classes}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"s{i:03d}.bin").write_bytes(payload(i))
+        if text(i):
+            (d / f"s{i:03d}.txt").write_text(f"sample {i}")
+    out = base / "ds"
+    shardio.pack(src, out, samples_per_shard=samples_per_shard, label_from_dir=True,
+                 fsync=False, progress=False)
+    return out
+
+
 def flip_bit(path: str | os.PathLike[str], offset: int, bit: int = 0) -> None:
     """Flip one bit of a file in place."""
     with open(path, "r+b") as f:

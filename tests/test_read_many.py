@@ -22,7 +22,7 @@ from shardio import reader as reader_mod
 from shardio import sharedbytes as sb
 from shardio.errors import ChecksumMismatchError, UnrepairableError
 from shardio.reader import DatasetReader
-from tests.conftest import flip_bit
+from tests.conftest import flip_bit, pack_bin_dataset
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -40,18 +40,8 @@ def _payload(i: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def ds_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("rm")
-    src = base / "src"
-    for i in range(N):
-        d = src / f"c{i % 4}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"s{i:03d}.bin").write_bytes(_payload(i))
-        if i % 3:
-            (d / f"s{i:03d}.txt").write_text(f"sample {i}")
-    out = base / "ds"
-    shardio.pack(src, out, samples_per_shard=13, label_from_dir=True, fsync=False,
-                 progress=False)
-    return out
+    return pack_bin_dataset(tmp_path_factory.mktemp("rm"), N, _payload, classes=4,
+                            samples_per_shard=13, text=lambda i: i % 3 != 0)
 
 
 class _Counting:

@@ -28,6 +28,7 @@ import shardio
 from shardio import sharedbytes as sb
 from shardio.decode import decode_field
 from shardio.errors import ChecksumMismatchError, ShardTruncatedError, UnrepairableError
+from tests.conftest import pack_bin_dataset
 from tools.faults import flip_bits
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,17 +44,8 @@ def _payload(i: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def ds_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("zc")
-    src = base / "src"
-    for i in range(N):
-        d = src / f"c{i % 3}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"s{i:03d}.bin").write_bytes(_payload(i))
-        (d / f"s{i:03d}.txt").write_text(f"sample {i}")
-    out = base / "ds"
-    shardio.pack(src, out, samples_per_shard=7, label_from_dir=True, fsync=False,
-                 progress=False)
-    return out
+    return pack_bin_dataset(tmp_path_factory.mktemp("zc"), N, _payload, classes=3,
+                            samples_per_shard=7)
 
 
 def _reference(path: Path) -> dict[str, dict[str, bytes]]:
