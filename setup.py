@@ -23,6 +23,15 @@ if sys.platform.startswith("linux"):
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )
     )
+    # shardio._listdir lists and stats a pack source's directory (shardio/_scan.py falls back to
+    # scandir without it).
+    ext_modules.append(
+        Extension(
+            "shardio._listdir",
+            sources=["shardio/_listdir.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        )
+    )
     # shardio._tarpack is the hot loop of a tar pack (shardio/formats/tar.py falls back to Python
     # without it); it reads a slow source's files in threads (pthreads).
     ext_modules.append(

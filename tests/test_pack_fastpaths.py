@@ -230,16 +230,16 @@ def test_first_shards_are_written_while_the_scan_goes_on(tmp_path: Path, workers
 
     import shardio._scan as scan_mod
 
-    listed: list[str] = []
-    real_list = scan_mod.Walk._list
+    listed: list[str] = []  # directories in the order the walk lists them (in C or Python)
+    real_visit = scan_mod.Walk._visit
 
     def note_listing(self: Any, path: str, *args: Any) -> Any:
         listed.append(os.path.basename(path))
-        return real_list(self, path, *args)
+        return real_visit(self, path, *args)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(packer, "_pack_shard", note_state)
-        mp.setattr(scan_mod.Walk, "_list", note_listing)
+        mp.setattr(scan_mod.Walk, "_visit", note_listing)
         m = shardio.pack(src, out, samples_per_shard=5, workers=workers, fsync=False)
     assert len(m.shards) == 40
     states = {int(p.stem): json.loads(p.read_text()) for p in seen.iterdir()}

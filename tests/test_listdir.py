@@ -1,0 +1,192 @@
+"""``shardio._listdir.list_dir``: a pack source's directory listed and stat'ed in C, the fast
+path of ``shardio._scan.Walk`` once stats proved fast (or ``scan_threads=1``).
+
+The reference is the Python listing (``Walk._list`` over ``os.scandir``): the same samples, in
+the same order, with the same sizes, paths and labels; every directory it does not handle (a
+name that is not ASCII, a broken or looping link, no extension, a label file, a FIFO, too many
+entries) is handed back whole (None) so that the Python code raises or skips exactly as before.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardio
+from shardio import _scan
+from shardio._scan import LABEL_FIELD, Walk, scan_source
+from shardio.errors import EmptySourceError
+from tests.test_pack import file_bytes, write_files
+
+list_dir = pytest.importorskip("shardio._listdir").list_dir
+
+
+def _python_listing(directory: Path) -> tuple[int, list[tuple[str, list[Any]]], list[Any]]:
+    """What list_dir returns, built from the Python code (Walk._list)."""
+    walk = Walk(str(directory), str(directory.parent / "no-out"), label_from_dir=False,
+                on_error="raise")
+    base = str(directory) + os.sep
+    with os.scandir(directory) as it:
+        entries = list(it)
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        groups, subdirs = walk._list(str(directory), dfd, "", frozenset(), entries)
+    finally:
+        os.close(dfd)
+    dirs = sorted((full[len(base):], dev, ino) for full, (dev, ino) in subdirs.values())
+    return walk.files, sorted(groups.items()), dirs
+
+
+def _list(directory: Path, stop: str | None = None, most: int = 1 << 20) -> Any:
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return list_dir(dfd, str(directory) + os.sep, stop, most)
+    finally:
+        os.close(dfd)
+
+
+def test_a_directory_lists_as_the_python_code_lists_it(tmp_path: Path) -> None:
+    src = write_files(tmp_path / "src", {
+        "b.jpg": b"12", "a.json": b"{}", "a.jpg": b"x" * 700, "a-b.jpg": b"", "a.b.c": b"3",
+        "a_.txt": b"4", "0.cls.txt": b"5", "Z.jpg": b"6", "sub/x.jpg": b"7", "a/y.jpg": b"8",
+        ".hidden.jpg": b"9", ".hid/z.jpg": b"0",
+    })
+    os.symlink(src / "b.jpg", src / "link.jpg")  # a link to a file is that file
+    os.symlink(src / "sub", src / "linked")  # and to a directory, that directory
+    got = _list(src)
+    assert got is not None
+    files, groups, dirs, stat_s = got
+    assert stat_s >= 0
+    want_files, want_groups, want_dirs = _python_listing(src)
+    assert (files, groups, sorted(dirs)) == (want_files, want_groups, want_dirs)
+    assert [g[0] for g in groups] == sorted(g[0] for g in groups)  # stems in sorted order
+    assert dict(groups)["a"] == [(field, str(src / f"a.{field}"), size,
+                                  os.stat(src / f"a.{field}").st_mtime_ns)
+                                 for field, size in [("b.c", 1), ("jpg", 700), ("json", 2)]]
+    sub = _list(src / "sub")
+    assert sub[:3] == (1, [("x", [("jpg", str(src / "sub" / "x.jpg"), 1,
+                                  os.stat(src / "sub" / "x.jpg").st_mtime_ns)])], [])
+
+
+def _leaves_to_python(tmp_path: Path, name: str) -> Path:
+    """A directory holding one entry list_dir does not handle."""
+    d = write_files(tmp_path / name, {"ok.jpg": b"1", "ok2.jpg": b"2"})
+    if name == "non_ascii":
+        (d / "déjà.jpg").write_bytes(b"3")
+    elif name == "non_utf8":
+        with open(os.path.join(os.fsencode(d), b"bad\xff.jpg"), "wb") as f:
+            f.write(b"3")
+    elif name == "broken_link":
+        os.symlink(d / "missing.jpg", d / "gone.jpg")
+    elif name == "link_loop":
+        os.symlink(d / "loop.jpg", d / "loop.jpg")
+    elif name == "no_extension":
+        (d / "README").write_bytes(b"3")
+    elif name == "fifo":
+        os.mkfifo(d / "pipe.jpg")
+    elif name == "label_file":
+        (d / f"ok.{LABEL_FIELD}").write_bytes(b"3")
+    return d
+
+
+@pytest.mark.parametrize("name", ["non_ascii", "non_utf8", "broken_link", "link_loop",
+                                  "no_extension", "fifo", "label_file"])
+def test_what_it_does_not_handle_goes_back_to_python(tmp_path: Path, name: str) -> None:
+    d = _leaves_to_python(tmp_path, name)
+    assert _list(d, LABEL_FIELD) is None
+    if name == "label_file":
+        assert _list(d, None) is not None  # a "cls" field is only special with labels
+    assert _list(tmp_path / name / "..", None, 0) is None  # more entries than allowed
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        _list(d, LABEL_FIELD)
+    assert len(os.listdir("/proc/self/fd")) == fds  # no descriptor left open on the way out
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError):
+        list_dir(0, b"/", None, 1)
+    with pytest.raises(TypeError):
+        list_dir(0, "/", 3, 1)
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Route the walk's list_dir through a recorder: True per directory it listed."""
+    calls: list[bool] = []
+
+    def spy(*args: Any) -> Any:
+        got = list_dir(*args)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(_scan, "_list_dir", spy)
+    return calls
+
+
+def test_walk_yields_the_same_samples_either_way(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Names that sort differently as bare names and as key prefixes, a file stem equal to a
+    # folder name, dots inside names, label files, and (every third trial) a name only Python
+    # handles.
+    names = ["a", "a-b", "a.b", "a b", "a0", "b", "-", "a_b", "ab", "Z"]
+    rng = random.Random(5)
+    listed = 0
+    for trial in range(30):
+        files: dict[str, bytes] = {}
+        for i in range(rng.randint(1, 40)):
+            parts = [rng.choice(names + (["é"] if trial % 3 == 0 else []))
+                     for _ in range(rng.randint(1, 3))]
+            ext = rng.choice(["jpg", "json", "tar.gz", "jpg", LABEL_FIELD])
+            files["/".join(parts) + f"{i % 3}.{ext}"] = bytes(rng.randint(0, 40))
+        src = write_files(tmp_path / f"t{trial}", files)
+        for label in (False, True):
+            got = []
+            for fast in (False, True):
+                calls = _spy(monkeypatch) if fast else []
+                if not fast:
+                    monkeypatch.setattr(_scan, "_list_dir", None)
+                try:
+                    scan = scan_source(str(src), str(tmp_path / "o"), files_from=None,
+                                       label_from_dir=label, on_error="skip", scan_threads=1)
+                    got.append(([(s.key, s.files, s.label) for s in scan.samples], scan.labels,
+                                scan.files, scan.skipped))
+                except EmptySourceError:
+                    got.append("empty")
+                listed += sum(calls)
+            assert got[0] == got[1], (trial, label)
+    assert listed > 100  # most directories went through it
+
+
+def test_walk_uses_it_once_stats_proved_fast(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    src = write_files(tmp_path / "src", {f"c{i // 40}/{i:04d}.jpg": b"x" for i in range(400)})
+    calls = _spy(monkeypatch)
+    walk = Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="raise")
+    samples = list(walk)
+    # The first directories' stats are timed in Python (the probe); the rest come from C.
+    assert walk.stats.probes == 1 and sum(calls) >= 8
+    assert [s.key for s in samples] == [f"c{i // 40}/{i:04d}" for i in range(400)]
+    assert [s.label for s in samples] == [i // 40 for i in range(400)]
+    calls.clear()
+    list(Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="raise",
+              scan_threads=4))
+    assert not calls  # stats in threads: never
+
+
+def test_pack_is_the_same_with_and_without_it(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    src = write_files(tmp_path / "src", {
+        f"c{i % 7}/{i:05d}.{ext}": os.urandom(i % 300)
+        for i in range(500) for ext in (("jpg", "json") if i % 5 == 0 else ("jpg",))
+    })
+    fast = shardio.pack(src, tmp_path / "fast", fsync=False, label_from_dir=True,
+                        samples_per_shard=64, scan_threads=1)
+    monkeypatch.setattr(_scan, "_list_dir", None)
+    slow = shardio.pack(src, tmp_path / "slow", fsync=False, label_from_dir=True,
+                        samples_per_shard=64, scan_threads=1)
+    assert fast.to_dict() == slow.to_dict()
+    assert file_bytes(tmp_path / "fast") == file_bytes(tmp_path / "slow")
