@@ -1,27 +1,29 @@
 /* shardio._listdir: one directory of a pack's source, listed and stat'ed in C.
  *
- *   list_dir(dfd, base, stop_field, max_entries)
- *       -> None | (files, groups, subdirs, stat_seconds)
+ *   list_dir(dfd, base, stop_field, probe, slow_s)
+ *       -> None | False | (files, groups, subdirs)
  *
- * The common case of shardio._scan.Walk._list, ~3x faster than scandir plus DirEntry.stat: a
- * scan of 20,000 files spends ~5 us a file in Python, most of it around a ~1.5 us fstatat.
+ * The common case of shardio._scan.Walk._list, faster and leaner than scandir plus
+ * DirEntry.stat: one directory of 200,000 files is walked in 0.85 s with 111 MB of peak memory
+ * against 1.7 s and 284 MB (measured 2026-11-30).
  * `dfd` is a descriptor of the directory, `base` its path with a trailing separator (a str).
  * Entries whose name starts with "." are left out.  Every other entry is stat'ed through
  * fstatat(dfd, name, 0) (links followed, as DirEntry.stat(follow_symlinks=True)).
  *
  * Returns `files` (the number of regular files), `groups`: a list of (stem, fields) sorted by
  * stem, one per stem (the name up to its first dot), `fields` a list of
- * (field, base + name, st_size, st_mtime_ns) sorted by field (the name after its first dot),
- * `subdirs`: a list of (name, st_dev, st_ino) in directory order, and `stat_seconds`: the time
- * spent in fstatat (the scan's slow-store probe).  Exactly what the Python code builds.
+ * (field, base + name, st_size, st_mtime_ns) sorted by field (the name after its first dot), and
+ * `subdirs`: a list of (name, st_dev, st_ino) in directory order.  Exactly what the Python code
+ * builds.
  *
+ * Returns False when its first `probe` stats took `slow_s` seconds or more on average (0: never
+ * timed): a slow store, where the scan fetches stats in threads instead.  A directory with
+ * fewer entries is not timed (the scan times its stats again every 4,096 anyway).
  * Returns None, having changed nothing, for a directory it leaves to the Python code, which
  * raises the typed error or applies --on-error: a name that is not ASCII, an entry it cannot
  * stat (a broken link, a loop, no permission), one that is neither a regular file nor a
- * directory, a file with no extension, a file whose field is `stop_field` (the label field, when
- * labels come from folders; None for none), or more than `max_entries` entries (the Python code
- * re-times a large directory's stats on the way).  The listing and the stats run without the
- * GIL.
+ * directory, a file with no extension, or a file whose field is `stop_field` (the label field,
+ * when labels come from folders; None for none).  The listing and the stats run without the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -93,13 +95,22 @@ listing_add(Listing *l, const char *name, size_t len)
     return 0;
 }
 
-enum { LIST_OK = 0, LIST_PYTHON = 1, LIST_ERRNO = 2 };
+enum { LIST_OK = 0, LIST_PYTHON = 1, LIST_ERRNO = 2, LIST_SLOW = 3 };
+
+static double
+seconds_since(const struct timespec *t0)
+{
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0->tv_sec) + (double)(t1.tv_nsec - t0->tv_nsec) * 1e-9;
+}
 
 /* List and stat `dfd`'s entries into `l` (no GIL needed).  LIST_PYTHON: leave the directory to
- * the Python code; LIST_ERRNO: out of memory (errno set). */
+ * the Python code; LIST_SLOW: the first `probe` stats averaged `slow_s` or more; LIST_ERRNO: out
+ * of memory (errno set). */
 static int
-list_entries(int dfd, const char *stop, size_t stop_len, Py_ssize_t max_entries, Listing *l,
-             double *stat_s)
+list_entries(int dfd, const char *stop, size_t stop_len, size_t probe, double slow_s,
+             Listing *l)
 {
     int fd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) {
@@ -125,10 +136,6 @@ list_entries(int dfd, const char *stop, size_t stop_len, Py_ssize_t max_entries,
                 goto done;
             }
         }
-        if (max_entries >= 0 && (Py_ssize_t)l->n >= max_entries) {
-            rc = LIST_PYTHON;
-            goto done;
-        }
         if (listing_add(l, name, len) < 0) {
             rc = LIST_ERRNO;
             goto done;
@@ -142,10 +149,14 @@ list_entries(int dfd, const char *stop, size_t stop_len, Py_ssize_t max_entries,
     for (size_t i = 0; i < l->n; i++) {
         l->e[i].name = l->names + (uintptr_t)l->e[i].name;
     }
-    struct timespec t0, t1;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (size_t i = 0; i < l->n; i++) {
         Entry *e = &l->e[i];
+        if (i == probe && probe > 0 && seconds_since(&t0) >= slow_s * (double)probe) {
+            rc = LIST_SLOW;
+            break;
+        }
         struct stat st;
         if (fstatat(dfd, e->name, &st, 0) != 0) {
             rc = LIST_PYTHON;
@@ -175,8 +186,6 @@ list_entries(int dfd, const char *stop, size_t stop_len, Py_ssize_t max_entries,
             break;
         }
     }
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    *stat_s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
 done:
     closedir(d);
     return rc;
@@ -204,7 +213,7 @@ by_stem_field(const void *pa, const void *pb)
 }
 
 static PyObject *
-build(Listing *l, PyObject *base, double stat_s)
+build(Listing *l, PyObject *base)
 {
     PyObject *groups = PyList_New(0), *subdirs = PyList_New(0), *fields = NULL;
     PyObject *stem = NULL;
@@ -261,7 +270,7 @@ build(Listing *l, PyObject *base, double stat_s)
     }
     Py_XDECREF(stem);
     Py_XDECREF(fields);
-    return Py_BuildValue("(nNNd)", files, groups, subdirs, stat_s);
+    return Py_BuildValue("(nNN)", files, groups, subdirs);
 error:
     Py_XDECREF(stem);
     Py_XDECREF(fields);
@@ -275,8 +284,13 @@ listdir_list_dir(PyObject *self, PyObject *args)
 {
     int dfd;
     PyObject *base, *stop_obj;
-    Py_ssize_t max_entries;
-    if (!PyArg_ParseTuple(args, "iUOn", &dfd, &base, &stop_obj, &max_entries)) {
+    Py_ssize_t probe;
+    double slow_s;
+    if (!PyArg_ParseTuple(args, "iUOnd", &dfd, &base, &stop_obj, &probe, &slow_s)) {
+        return NULL;
+    }
+    if (probe < 0) {
+        PyErr_SetString(PyExc_ValueError, "probe must be >= 0");
         return NULL;
     }
     const char *stop = NULL;
@@ -292,23 +306,23 @@ listdir_list_dir(PyObject *self, PyObject *args)
         }
     }
     Listing l = {0};
-    double stat_s = 0.0;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = list_entries(dfd, stop, (size_t)stop_len, max_entries, &l, &stat_s);
+    rc = list_entries(dfd, stop, (size_t)stop_len, (size_t)probe, slow_s, &l);
     if (rc == LIST_OK && l.n > 1) {
         qsort(l.e, l.n, sizeof(Entry), by_stem_field);
     }
     Py_END_ALLOW_THREADS
+    PyObject *out;
     if (rc == LIST_ERRNO) {
-        listing_free(&l);
-        return PyErr_NoMemory();
+        out = PyErr_NoMemory();
+    } else if (rc == LIST_PYTHON) {
+        out = Py_NewRef(Py_None);
+    } else if (rc == LIST_SLOW) {
+        out = Py_NewRef(Py_False);
+    } else {
+        out = build(&l, base);
     }
-    if (rc == LIST_PYTHON) {
-        listing_free(&l);
-        Py_RETURN_NONE;
-    }
-    PyObject *out = build(&l, base, stat_s);
     listing_free(&l);
     return out;
 }

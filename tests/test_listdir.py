@@ -41,10 +41,10 @@ def _python_listing(directory: Path) -> tuple[int, list[tuple[str, list[Any]]], 
     return walk.files, sorted(groups.items()), dirs
 
 
-def _list(directory: Path, stop: str | None = None, most: int = 1 << 20) -> Any:
+def _list(directory: Path, stop: str | None = None, probe: int = 0, slow: float = 0.0) -> Any:
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return list_dir(dfd, str(directory) + os.sep, stop, most)
+        return list_dir(dfd, str(directory) + os.sep, stop, probe, slow)
     finally:
         os.close(dfd)
 
@@ -59,8 +59,7 @@ def test_a_directory_lists_as_the_python_code_lists_it(tmp_path: Path) -> None:
     os.symlink(src / "sub", src / "linked")  # and to a directory, that directory
     got = _list(src)
     assert got is not None
-    files, groups, dirs, stat_s = got
-    assert stat_s >= 0
+    files, groups, dirs = got
     want_files, want_groups, want_dirs = _python_listing(src)
     assert (files, groups, sorted(dirs)) == (want_files, want_groups, want_dirs)
     assert [g[0] for g in groups] == sorted(g[0] for g in groups)  # stems in sorted order
@@ -68,7 +67,7 @@ def test_a_directory_lists_as_the_python_code_lists_it(tmp_path: Path) -> None:
                                   os.stat(src / f"a.{field}").st_mtime_ns)
                                  for field, size in [("b.c", 1), ("jpg", 700), ("json", 2)]]
     sub = _list(src / "sub")
-    assert sub[:3] == (1, [("x", [("jpg", str(src / "sub" / "x.jpg"), 1,
+    assert sub == (1, [("x", [("jpg", str(src / "sub" / "x.jpg"), 1,
                                   os.stat(src / "sub" / "x.jpg").st_mtime_ns)])], [])
 
 
@@ -100,18 +99,28 @@ def test_what_it_does_not_handle_goes_back_to_python(tmp_path: Path, name: str) 
     assert _list(d, LABEL_FIELD) is None
     if name == "label_file":
         assert _list(d, None) is not None  # a "cls" field is only special with labels
-    assert _list(tmp_path / name / "..", None, 0) is None  # more entries than allowed
     fds = len(os.listdir("/proc/self/fd"))
     for _ in range(20):
         _list(d, LABEL_FIELD)
     assert len(os.listdir("/proc/self/fd")) == fds  # no descriptor left open on the way out
 
 
+def test_slow_stats_are_reported(tmp_path: Path) -> None:
+    d = write_files(tmp_path / "d", {f"{i:03d}.jpg": b"x" for i in range(100)})
+    # Timed: the first 10 stats took at least 0 s each, so they were "slow".
+    assert _list(d, None, 10, 0.0) is False
+    assert _list(d, None, 10, 1.0) is not None  # a second a stat: never on a local disk
+    assert _list(d, None, 0, 0.0) is not None  # not timed
+    assert _list(d, None, 100, 0.0) is not None  # fewer entries than the probe: not timed
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(TypeError):
-        list_dir(0, b"/", None, 1)
+        list_dir(0, b"/", None, 1, 0.0)
     with pytest.raises(TypeError):
-        list_dir(0, "/", 3, 1)
+        list_dir(0, "/", 3, 1, 0.0)
+    with pytest.raises(ValueError):
+        list_dir(0, "/", None, -1, 0.0)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -175,6 +184,33 @@ def test_walk_uses_it_once_stats_proved_fast(tmp_path: Path,
     list(Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="raise",
               scan_threads=4))
     assert not calls  # stats in threads: never
+
+
+def test_slow_stats_in_a_directory_turn_threads_on(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tree whose first directories' stats are fast (the probe decides: one thread), then a
+    # large directory that list_dir finds slow (here: any stat is "slow" in it): that directory
+    # and the rest go through the stat threads, and the samples are the same.
+    files = {f"a{i}/{j:03d}.jpg": b"x" * j for i in range(3) for j in range(30)}
+    files.update({f"b/{j:04d}.jpg": b"y" * (j % 50) for j in range(300)})
+    files.update({f"c/{j:03d}.jpg": b"z" for j in range(80)})
+    src = write_files(tmp_path / "src", files)
+    seen: list[str] = []
+
+    def slow_in_b(dfd: int, base: str, stop: Any, probe: int, slow_s: float) -> Any:
+        seen.append(os.path.basename(base.rstrip(os.sep)))
+        return list_dir(dfd, base, stop, probe, 0.0 if base.endswith(f"{os.sep}b{os.sep}")
+                        else slow_s)
+
+    monkeypatch.setattr(_scan, "_list_dir", slow_in_b)
+    walk = Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="raise")
+    got = [(s.key, s.files, s.label) for s in walk]
+    assert "b" in seen and "c" not in seen  # after b, stats go through threads
+    assert walk.stats.pooled and walk.stats.probes == 2
+    monkeypatch.setattr(_scan, "_list_dir", None)
+    ref = Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="raise",
+               scan_threads=1)
+    assert got == [(s.key, s.files, s.label) for s in ref]
 
 
 def test_pack_is_the_same_with_and_without_it(tmp_path: Path,
