@@ -191,8 +191,8 @@ done:
     return rc;
 }
 
-/* Files before directories aside, by (stem, field): the order of Python's sort of the stems,
- * then of each stem's field names (ASCII: byte order is code point order). */
+/* Files first, by (stem, field): the order of Python's sort of the stems, then of each stem's
+ * field names (ASCII: byte order is code point order); then directories, by name. */
 static int
 by_stem_field(const void *pa, const void *pb)
 {

@@ -391,7 +391,10 @@ class Walk:
                    dirs: list[tuple[str, int, int]]) -> Iterator[Sample]:
         """:meth:`_walk_listed` of a directory :func:`_list_dir` listed."""
         self.files += files
-        self.stats.passed(files + len(dirs))
+        if files + len(dirs) < _PROBE_STATS:
+            # Untimed by list_dir (a larger directory's first stats were): these count towards
+            # the scan's next probe.
+            self.stats.passed(files + len(dirs))
         subdirs: dict[str, tuple[str, tuple[int, int]]] = {}
         for name, dev, ino in dirs:
             self._subdir(subdirs, base + name, (dev, ino), ancestors)

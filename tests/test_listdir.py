@@ -186,6 +186,26 @@ def test_walk_uses_it_once_stats_proved_fast(tmp_path: Path,
     assert not calls  # stats in threads: never
 
 
+def test_directories_it_timed_do_not_count_towards_the_next_probe(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 12 folders of 400 files: the first is where the walk's probe ends (in Python); each
+    # other is timed by list_dir itself, so all 11 are listed in C although 4,800 stats pass
+    # (after 4,096 untimed ones the walk probes again, in Python).
+    big = write_files(tmp_path / "big", {f"c{i:02d}/{j:03d}.jpg": b"x"
+                                         for i in range(12) for j in range(400)})
+    calls = _spy(monkeypatch)
+    walk = Walk(str(big), str(tmp_path / "o"), label_from_dir=True, on_error="raise")
+    assert sum(1 for _ in walk) == 4800
+    assert calls == [True] * 11 and walk.stats.probes == 1
+    # 160 folders of 30 files (untimed: fewer than the probe's 64): the walk probes again.
+    small = write_files(tmp_path / "small", {f"c{i:03d}/{j:02d}.jpg": b"x"
+                                             for i in range(160) for j in range(30)})
+    calls.clear()
+    walk = Walk(str(small), str(tmp_path / "o"), label_from_dir=True, on_error="raise")
+    assert sum(1 for _ in walk) == 4800
+    assert walk.stats.probes == 2 and 150 <= sum(calls) < 160
+
+
 def test_slow_stats_in_a_directory_turn_threads_on(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # A tree whose first directories' stats are fast (the probe decides: one thread), then a
