@@ -420,3 +420,61 @@ def test_hdf5_payload_buffer_reuse(tmp_path: Path) -> None:
     from shardio.formats import hdf5
 
     assert hdf5._SPARE == []  # released at the end of the pack
+
+
+# --- one worker: the scan planned one shard ahead in a thread (packer._ScanAhead) -------------
+
+
+def _threads() -> set[str]:
+    import threading
+
+    return {t.name for t in threading.enumerate() if t.name.startswith("shardio-")}
+
+
+@pytest.mark.parametrize("failure", [OSError, KeyboardInterrupt])
+def test_a_writer_failure_stops_the_scan_thread(tmp_path: Path, failure: type) -> None:
+    # The writer fails on shard 2 while the scan thread has planned further: the pack raises
+    # the writer's error, and neither the scan thread nor its stat threads outlive it.
+    src = random_tree(tmp_path / "src", 200, 100, 900, dirs=10)
+    real = packer._pack_shard
+    started: list[str] = []
+
+    def fail_third(task: Any, *args: Any) -> Any:
+        started.append(", ".join(sorted(_threads())))
+        if task.number == 2:
+            raise failure("the disk went away")
+        return real(task, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(packer, "_pack_shard", fail_third)
+        with pytest.raises(failure, match="the disk went away"):
+            shardio.pack(src, tmp_path / "out", samples_per_shard=5, fsync=False,
+                         scan_threads=4)
+    assert "shardio-scan" in started[0]  # the scan ran beside the writer
+    assert not _threads()
+    # Nothing half-written is published, and the rerun resumes from the two finished shards.
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    m = shardio.pack(src, tmp_path / "out", samples_per_shard=5, fsync=False, resume=True)
+    assert len(m.shards) == 40
+
+
+def test_a_scan_error_is_raised_where_the_writer_reaches_it(tmp_path: Path) -> None:
+    # A broken link in the last folder: the shards before it are written, then the scan's own
+    # error (its type and message) comes out of pack(), with no thread left.
+    src = random_tree(tmp_path / "src", 100, 100, 900, dirs=5)
+    last = sorted(p for p in src.iterdir() if p.is_dir())[-1]
+    os.symlink(last / "missing.jpg", last / "zzz.jpg")
+    written: list[int] = []
+    real = packer._pack_shard
+
+    def note(task: Any, *args: Any) -> Any:
+        written.append(task.number)
+        return real(task, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(packer, "_pack_shard", note)
+        with pytest.raises(ShardioError, match="zzz.jpg"):
+            shardio.pack(src, tmp_path / "out", samples_per_shard=5, fsync=False)
+    assert written and written == list(range(len(written)))
+    assert not _threads()
+    assert not (tmp_path / "out" / "manifest.json").exists()
