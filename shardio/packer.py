@@ -578,12 +578,11 @@ def _pack_streaming(src: str, out: str, options: PackOptions, progress: bool | N
     The walk yields samples in key order (:class:`~shardio._scan.Walk`) and the planner cuts a
     shard as soon as the next sample would overflow it, so shard ``n`` is written (by a worker
     process, or here with one worker while :class:`_ScanAhead` plans the next) before the scan
-    of the rest of the tree
-    ends: the same shards, bytes and manifest as a pack that scans first.  The job fingerprint
-    is only known at the end of the scan, so the state file is written twice: before the first
-    shard with ``job: null`` (a rerun then resumes whatever the input: every kept shard is
-    checked against its own fingerprint), and again when the scan ends, with the job (not
-    synced: if a crash loses it, the first one still stands).  A scan error with
+    of the rest of the tree ends: the same shards, bytes and manifest as a pack that scans
+    first.  The job fingerprint is only known at the end of the scan, so the state file is
+    written twice: before the first shard with ``job: null`` (a rerun then resumes whatever the
+    input: every kept shard is checked against its own fingerprint), and again when the scan
+    ends, with the job (not synced: if a crash loses it, the first one still stands).  A scan error with
     ``on_error="raise"`` (or an oversize sample) can come after some shards were published;
     no manifest is, and a rerun after the fix resumes.
     """
