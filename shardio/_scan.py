@@ -14,7 +14,12 @@ GIL) before it reads them in order, so the samples and their order are the same.
 with the dentries cached a stat takes ~2 us, and threads would only add handoffs: they stay off,
 and the scan times its stats again every :data:`_REPROBE_STATS` (the first directory's may have
 been cached by an ``ls``, or a slow mount may lie further down the tree).  ``scan_threads``
-(``shardio pack --scan-threads``) sets the number instead (1: never).
+(``shardio pack --scan-threads``) sets the number instead (1: never).  A directory of
+:data:`_STREAM_MIN` entries or more whose stats go through the threads yields its samples as
+their stats arrive, in runs (:meth:`Walk._walk_streamed`), rather than once the last is in: a
+folder of 20,000 files on the simulated 0.5 ms store gave its first sample after 0.13 s, not
+0.86 s, and a 1-worker pack of it took 1.79-2.18 s against 2.31-2.43 s (2 workers: 1.38-1.47 s
+against 1.71-1.94 s; measured 2026-11-30).
 
 Stats in one thread (they proved fast, or ``scan_threads=1``): each directory is listed and
 stat'ed by :func:`_list_dir` (``shardio/_listdir.c``: ``fstatat`` relative to the directory's
@@ -32,7 +37,7 @@ from __future__ import annotations
 import os
 import stat as stat_mod
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +71,10 @@ _PROBE_STATS = 64  # stats timed before the scan decides
 _REPROBE_STATS = 4096  # stats in one thread after which an automatic scan times them again
 _SLOW_STAT = 50e-6  # mean seconds a stat takes from which threads pay
 _MIN_POOLED = 16  # fewer stats than this in a directory are not worth the pool
+# A directory of at least _STREAM_MIN entries whose stats go through the pool yields its first
+# samples as their stats arrive (Walk._walk_streamed), fetched _STREAM_PER a task.
+_STREAM_MIN = 2048
+_STREAM_PER = 64
 
 
 @dataclass(slots=True)
@@ -226,17 +235,28 @@ class _Stats:
         if self.unprobed >= _REPROBE_STATS:
             self.decided, self.probed, self.probe_s, self.unprobed = False, 0, 0.0, 0
 
-    def _map(self, fn: Callable[[Any], list[Any]], items: Sequence[Any]) -> list[Any]:
-        """``fn`` over chunks of ``items`` in the pool, results concatenated in order."""
-        threads = self.threads or 1
+    def _executor(self) -> Any:
+        """The stat pool (a ThreadPoolExecutor of ``threads`` threads), made at first use."""
         if self._pool is None:
             # Imported here: ~5 ms of every pack's start otherwise, and most scans never need it.
             from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shardio-stat")
-        per = max(8, -(-len(items) // (threads * 4)))
-        parts = self._pool.map(fn, [items[i:i + per] for i in range(0, len(items), per)])
+            self._pool = ThreadPoolExecutor(self.threads or 1, thread_name_prefix="shardio-stat")
+        return self._pool
+
+    def _map(self, fn: Callable[[Any], list[Any]], items: Sequence[Any]) -> list[Any]:
+        """``fn`` over chunks of ``items`` in the pool, results concatenated in order."""
+        per = max(8, -(-len(items) // ((self.threads or 1) * 4)))
+        parts = self._executor().map(fn, [items[i:i + per] for i in range(0, len(items), per)])
         return [r for part in parts for r in part]
+
+    def fetch(self, directory: str, entries: Sequence[os.DirEntry[str]]) -> list[Any]:
+        """Start fetching the stats of ``entries`` in the pool (``_STREAM_PER`` a task); the
+        futures, to wait on before reading them (:meth:`Walk._walk_streamed`)."""
+        lat = self._dir_latency(directory) if _inject.STATS_ACTIVE else 0.0
+        pool = self._executor()
+        return [pool.submit(_fetch_entries, entries[i:i + _STREAM_PER], lat)
+                for i in range(0, len(entries), _STREAM_PER)]
 
     def _dir_latency(self, directory: str) -> float:
         """The simulated latency of a stat in ``directory`` (``SHARDIO_SLOW_STATS``)."""
@@ -247,6 +267,14 @@ class _Stats:
 
     def latency(self, path: str) -> float:
         return self._dir_latency(os.path.dirname(path))
+
+    def probe(self, directory: str, entries: list[os.DirEntry[str]]) -> None:
+        """While undecided, time the stats of the first of ``entries`` (visible ones) that the
+        decision still needs: a large directory streams only through the pool
+        (:meth:`Walk._walk_streamed`), so that must be known before it is walked."""
+        if not self.decided and entries:
+            lat = self._dir_latency(directory) if _inject.STATS_ACTIVE else 0.0
+            self._probe(_fetch_entries, entries[:_PROBE_STATS - self.probed], lat)
 
     def entries(self, directory: str, entries: list[os.DirEntry[str]]) -> None:
         """Fetch the stats of a directory's entries (hidden ones aside) into their caches
@@ -291,6 +319,23 @@ class _Stats:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _stream_order(entries: list[os.DirEntry[str]]) -> list[tuple[str, str, Any]] | None:
+    """``(place, name, entry)`` of a directory's visible entries in the walk's order (a file's
+    place is its stem, a directory's its name and "/"), from the types ``readdir`` gave; None
+    when an entry is a symbolic link (its place needs its target's stat)."""
+    keyed = []
+    for e in entries:
+        name = e.name
+        if name[0] == ".":
+            continue
+        if e.is_symlink():
+            return None
+        keyed.append((name + "/" if e.is_dir(follow_symlinks=False) else name.partition(".")[0],
+                      name, e))
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    return keyed
 
 
 # (directory relative to SRC, file name, path, size, mtime_ns)
@@ -376,6 +421,15 @@ class Walk:
                     exc.errno, f"cannot list directory {path}: {exc.strerror}; fix its permissions "
                     "or pass --on-error skip"))
                 return
+            if rel and len(entries) >= _STREAM_MIN and (self.stats.pooled
+                                                        or not self.stats.decided):
+                keyed = _stream_order(entries)
+                if keyed is not None:
+                    self.stats.probe(path, [k[2] for k in keyed])  # (once decided: nothing)
+                if keyed is not None and self.stats.pooled:
+                    del entries
+                    yield from self._walk_streamed(path, dfd, rel, ancestors, cls, keyed)
+                    return
             self.stats.entries(path, entries)  # their stats, fetched ahead when that pays
             groups, subdirs = self._list(path, dfd, rel, ancestors, entries)
             # Let the entries (and the stats they cache) go before the walk goes down: this
@@ -385,6 +439,55 @@ class Walk:
             if dfd >= 0:
                 os.close(dfd)
         yield from self._walk_listed(rel, ancestors, cls, groups, subdirs)
+
+    def _walk_streamed(self, path: str, dfd: int, rel: str,
+                       ancestors: frozenset[tuple[int, int]], cls: int | None,
+                       keyed: list[Any]) -> Iterator[Sample]:
+        """The samples of a large directory whose stats go through the pool, yielded as their
+        stats arrive rather than once all have: ``keyed`` (:func:`_stream_order`) is cut into
+        runs of ``threads x _STREAM_PER`` entries that end where a key changes, each run's
+        stats fetched while the one before it is read (by :meth:`_list`, so the samples, their
+        order and the problems are the Python code's; problems come in key order rather than
+        directory order).  On a parallel filesystem a folder of a million files would otherwise
+        hold the pack's first shard until its last stat (~30 s at 0.5 ms and 16 threads).
+        ``dfd`` stays open until the last stat (a DirEntry stats through it)."""
+        step = (self.stats.threads or 1) * _STREAM_PER
+        runs = []
+        a, n = 0, len(keyed)
+        while a < n:
+            b = min(n, a + step)
+            while b < n and keyed[b][0] == keyed[b - 1][0]:
+                b += 1
+            runs.append((a, b))
+            a = b
+        pending: deque[list[Any]] = deque()  # the fetches of the next runs, two at most
+        started = 0
+
+        def fetch_next() -> None:
+            nonlocal started
+            s, e = runs[started]
+            pending.append(self.stats.fetch(path, [k[2] for k in keyed[s:e]]))
+            started += 1
+
+        try:
+            fetch_next()
+            for a, b in runs:
+                if started < len(runs):  # the next run's stats, while this one's arrive
+                    fetch_next()
+                for future in pending.popleft():
+                    future.result()
+                run = [k[2] for k in keyed[a:b]]
+                keyed[a:b] = [None] * (b - a)  # let the stats go once read
+                groups, subdirs = self._list(path, dfd, rel, ancestors, run)
+                del run
+                yield from self._walk_listed(rel, ancestors, cls, groups, subdirs)
+        finally:
+            # Closed early (an error, or the pack stopped): no stat may still run through
+            # ``dfd`` once the caller closes it.
+            for futures in pending:
+                for future in futures:
+                    if not future.cancel():
+                        future.exception()
 
     def _walk_fast(self, base: str, rel: str, ancestors: frozenset[tuple[int, int]],
                    cls: int | None, files: int, groups: list[tuple[str, list[_File]]],

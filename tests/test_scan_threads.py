@@ -389,3 +389,84 @@ def test_the_c_loop_stops_for_the_read_probe(tmp_path: Path,
     shardio.pack(src, tmp_path / "ref", samples_per_shard=200, scan_threads=1, fsync=False,
                  progress=False)
     assert file_bytes(tmp_path / "out") == file_bytes(tmp_path / "ref")
+
+
+# --- a large directory's samples as their stats arrive (Walk._walk_streamed) -------------------
+
+
+def _big_folder(root: Path) -> Path:
+    """A class folder of ~400 entries: stems with one and two fields, a subfolder named like a
+    stem, hidden files, a file with no extension (a problem, skipped)."""
+    files: dict[str, bytes] = {}
+    for i in range(300):
+        files[f"c0/{i:04d}.jpg"] = bytes(i % 7)
+        if i % 4 == 0:
+            files[f"c0/{i:04d}.json"] = b"{}"
+    files.update({"c0/0100/x.jpg": b"1", "c0/0100-b/y.jpg": b"2", "c0/0100 c.jpg": b"",
+                  "c0/0100.b.c": b"", "c0/.hidden.jpg": b"3", "c0/README": b"4",
+                  "c1/z.jpg": b"5"})
+    return write_files(root, files)
+
+
+@pytest.mark.parametrize("label", [False, True])
+def test_a_large_folder_streams_its_samples_as_stats_arrive(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, label: bool) -> None:
+    from shardio import _scan
+
+    src = _big_folder(tmp_path / "src")
+    monkeypatch.setattr(_scan, "_STREAM_MIN", 50)
+    monkeypatch.setattr(_scan, "_STREAM_PER", 1)  # runs of 2 x 1 entries (or a key's more)
+    fetched: list[int] = []
+    real_fetch = _scan._fetch_entries
+
+    def counted(entries: Any, latency: float = 0.0) -> Any:
+        out = real_fetch(entries, latency)
+        fetched.append(len(entries))
+        return out
+
+    monkeypatch.setattr(_scan, "_fetch_entries", counted)
+    walk = Walk(str(src), str(tmp_path / "o"), label_from_dir=label, on_error="skip",
+                scan_threads=2)
+    it = iter(walk)
+    first = next(it)
+    at_first = sum(fetched)
+    got = [first, *it]
+    assert at_first <= 6 and sum(fetched) > 350  # two runs' stats, not the folder's ~380
+    monkeypatch.setattr(_scan, "_list_dir", None)
+    ref = Walk(str(src), str(tmp_path / "o"), label_from_dir=label, on_error="skip",
+               scan_threads=1)
+    want = list(ref)
+    assert [(s.key, s.files, s.label) for s in got] == [(s.key, s.files, s.label) for s in want]
+    assert (walk.files, walk.skipped, walk.labels) == (ref.files, ref.skipped, ref.labels)
+    assert walk.skipped == {"no_extension": 1}
+
+
+def test_a_folder_with_links_or_closed_early_does_not_stream_or_leak(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardio import _scan
+
+    src = _big_folder(tmp_path / "src")
+    os.symlink(src / "c0" / "0001.jpg", src / "c0" / "9999.jpg")
+    monkeypatch.setattr(_scan, "_STREAM_MIN", 50)
+    monkeypatch.setattr(_scan, "_STREAM_PER", 8)
+    streamed: list[str] = []
+    real = Walk._walk_streamed
+
+    def note(self: Any, path: str, *args: Any) -> Any:
+        streamed.append(os.path.basename(path))
+        return real(self, path, *args)
+
+    monkeypatch.setattr(Walk, "_walk_streamed", note)
+    walk = Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="skip",
+                scan_threads=4)
+    keys = [s.key for s in walk]
+    assert not streamed and "c0/9999" in keys  # a link's place needs its target's stat
+    os.unlink(src / "c0" / "9999.jpg")
+    walk = Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="skip",
+                scan_threads=4)
+    it = iter(walk)
+    for _ in range(40):
+        next(it)
+    it.close()  # e.g. the pack failed: the runs in flight end, the pool with them
+    assert streamed == ["c0"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("shardio-stat")]
