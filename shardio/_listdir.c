@@ -1,6 +1,6 @@
 /* shardio._listdir: one directory of a pack's source, listed and stat'ed in C.
  *
- *   list_dir(dfd, base, stop_field, probe, slow_s)
+ *   list_dir(dfd, base, stop_field, probe, slow_s, utf8_names=False)
  *       -> None | False | (files, groups, subdirs)
  *
  * The common case of shardio._scan.Walk._list, faster and leaner than scandir plus
@@ -20,7 +20,10 @@
  * timed): a slow store, where the scan fetches stats in threads instead.  A directory with
  * fewer entries is not timed (the scan times its stats again every 4,096 anyway).
  * Returns None, having changed nothing, for a directory it leaves to the Python code, which
- * raises the typed error or applies --on-error: a name that is not ASCII, an entry it cannot
+ * raises the typed error or applies --on-error: a name that is not ASCII (with `utf8_names`,
+ * one that is not valid UTF-8: the caller passes it when the filesystem encoding is UTF-8 with
+ * surrogateescape, so that a valid name decodes as Python decodes it, and byte order is code
+ * point order), an entry it cannot
  * stat (a broken link, a loop, no permission), one that is neither a regular file nor a
  * directory, a file with no extension, or a file whose field is `stop_field` (the label field,
  * when labels come from folders; None for none).  The listing and the stats run without the GIL.
@@ -97,6 +100,51 @@ listing_add(Listing *l, const char *name, size_t len)
 
 enum { LIST_OK = 0, LIST_PYTHON = 1, LIST_ERRNO = 2, LIST_SLOW = 3 };
 
+/* 1 when s[0:len] is UTF-8 that Python's strict decoder takes: no overlong form, no surrogate,
+ * nothing above U+10FFFF. */
+static int
+utf8_valid(const unsigned char *s, size_t len)
+{
+    size_t i = 0;
+    while (i < len) {
+        unsigned c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t more;
+        unsigned cp;
+        if (c >= 0xC2 && c <= 0xDF) {
+            more = 1;
+            cp = c & 0x1F;
+        } else if (c >= 0xE0 && c <= 0xEF) {
+            more = 2;
+            cp = c & 0x0F;
+        } else if (c >= 0xF0 && c <= 0xF4) {
+            more = 3;
+            cp = c & 0x07;
+        } else {
+            return 0;
+        }
+        if (len - i <= more) {
+            return 0;
+        }
+        for (size_t k = 1; k <= more; k++) {
+            unsigned d = s[i + k];
+            if ((d & 0xC0) != 0x80) {
+                return 0;
+            }
+            cp = (cp << 6) | (d & 0x3F);
+        }
+        if ((more == 2 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF)))
+                || (more == 3 && (cp < 0x10000 || cp > 0x10FFFF))) {
+            return 0;
+        }
+        i += more + 1;
+    }
+    return 1;
+}
+
 static double
 seconds_since(const struct timespec *t0)
 {
@@ -110,7 +158,7 @@ seconds_since(const struct timespec *t0)
  * of memory (errno set). */
 static int
 list_entries(int dfd, const char *stop, size_t stop_len, size_t probe, double slow_s,
-             Listing *l)
+             int utf8_names, Listing *l)
 {
     int fd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) {
@@ -132,8 +180,11 @@ list_entries(int dfd, const char *stop, size_t stop_len, size_t probe, double sl
         size_t len = strlen(name);
         for (size_t i = 0; i < len; i++) {
             if ((unsigned char)name[i] >= 0x80) {
-                rc = LIST_PYTHON;
-                goto done;
+                if (!utf8_names || !utf8_valid((const unsigned char *)name, len)) {
+                    rc = LIST_PYTHON;
+                    goto done;
+                }
+                break;
             }
         }
         if (listing_add(l, name, len) < 0) {
@@ -192,7 +243,7 @@ done:
 }
 
 /* Files first, by (stem, field): the order of Python's sort of the stems, then of each stem's
- * field names (ASCII: byte order is code point order); then directories, by name. */
+ * field names (valid UTF-8: byte order is code point order); then directories, by name. */
 static int
 by_stem_field(const void *pa, const void *pb)
 {
@@ -286,7 +337,9 @@ listdir_list_dir(PyObject *self, PyObject *args)
     PyObject *base, *stop_obj;
     Py_ssize_t probe;
     double slow_s;
-    if (!PyArg_ParseTuple(args, "iUOnd", &dfd, &base, &stop_obj, &probe, &slow_s)) {
+    int utf8_names = 0;
+    if (!PyArg_ParseTuple(args, "iUOnd|p", &dfd, &base, &stop_obj, &probe, &slow_s,
+                          &utf8_names)) {
         return NULL;
     }
     if (probe < 0) {
@@ -308,7 +361,7 @@ listdir_list_dir(PyObject *self, PyObject *args)
     Listing l = {0};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = list_entries(dfd, stop, (size_t)stop_len, (size_t)probe, slow_s, &l);
+    rc = list_entries(dfd, stop, (size_t)stop_len, (size_t)probe, slow_s, utf8_names, &l);
     if (rc == LIST_OK && l.n > 1) {
         qsort(l.e, l.n, sizeof(Entry), by_stem_field);
     }

@@ -27,8 +27,9 @@ descriptor without the GIL, entries grouped and sorted in C), 20,000 files in ~6
 ~95 ms through ``scandir``, and one directory of 200,000 files in 0.85 s with 111 MB of peak
 memory against 1.7 s and 284 MB (measured 2026-11-30).  An automatic scan has it time the first
 :data:`_PROBE_STATS` stats of each directory: when they are slow, that directory and the rest
-go through threads.  It hands a directory it does not handle (a name that is not ASCII, an entry
-it cannot stat, a special file, a file with no extension, a label file) back whole, and
+go through threads.  It hands a directory it does not handle (a name that is not valid UTF-8,
+or not ASCII where the filesystem encoding is not UTF-8; an entry it cannot stat, a special
+file, a file with no extension, a label file) back whole, and
 :meth:`Walk._list` lists it: the problems are the Python code's.
 """
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import os
 import stat as stat_mod
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -59,6 +61,10 @@ try:  # a directory listed and stat'ed in C (shardio/_listdir.c); _list is the r
     from ._listdir import list_dir as _list_dir
 except ImportError:  # not built
     _list_dir = None
+# Whether a name that is valid UTF-8 decodes as UTF-8 here (the usual Linux set-up, and
+# Python's UTF-8 mode): then _list_dir lists directories with such names too.
+_FS_UTF8 = (sys.getfilesystemencoding().lower().replace("-", "") == "utf8"
+            and sys.getfilesystemencodeerrors() == "surrogateescape")
 
 __all__ = ["AUTO_SCAN_THREADS", "Sample", "ScanResult", "Walk", "scan_source"]
 
@@ -405,7 +411,7 @@ class Walk:
             if _list_dir is not None and self.stats.fast:
                 base = path if path.endswith(os.sep) else path + os.sep
                 got = _list_dir(dfd, base, LABEL_FIELD if self.label_from_dir else None,
-                                *self.stats.probe_args())
+                                *self.stats.probe_args(), _FS_UTF8)
                 if got is False:  # stats became slow: this directory's go through threads
                     self.stats.slow()
                 elif got is not None:

@@ -41,10 +41,11 @@ def _python_listing(directory: Path) -> tuple[int, list[tuple[str, list[Any]]], 
     return walk.files, sorted(groups.items()), dirs
 
 
-def _list(directory: Path, stop: str | None = None, probe: int = 0, slow: float = 0.0) -> Any:
+def _list(directory: Path, stop: str | None = None, probe: int = 0, slow: float = 0.0,
+          utf8: bool = False) -> Any:
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return list_dir(dfd, str(directory) + os.sep, stop, probe, slow)
+        return list_dir(dfd, str(directory) + os.sep, stop, probe, slow, utf8)
     finally:
         os.close(dfd)
 
@@ -105,6 +106,32 @@ def test_what_it_does_not_handle_goes_back_to_python(tmp_path: Path, name: str) 
     assert len(os.listdir("/proc/self/fd")) == fds  # no descriptor left open on the way out
 
 
+@pytest.mark.parametrize("name", [
+    "déjà.jpg", "日本語.jpg", "\U0001f600.jpg", "ok\u00ff.json", "ü/x.jpg",
+])
+def test_utf8_names_are_listed_when_the_filesystem_encoding_is_utf8(tmp_path: Path,
+                                                                  name: str) -> None:
+    d = write_files(tmp_path / "d", {name: b"12", "a.jpg": b"3", "z.jpg": b"4"})
+    assert _list(d) is None  # not ASCII: Python's, unless the caller vouches for UTF-8
+    got = _list(d, utf8=True)
+    want_files, want_groups, want_dirs = _python_listing(d)
+    assert (got[0], got[1], sorted(got[2])) == (want_files, want_groups, want_dirs)
+
+
+@pytest.mark.parametrize("raw", [
+    b"\xff.jpg",  # not UTF-8 at all
+    b"\xc0\xaf.jpg",  # an overlong "/"
+    b"\xed\xa0\x80.jpg",  # a surrogate (U+D800)
+    b"\xf4\x90\x80\x80.jpg",  # above U+10FFFF
+    b"\xe6\x97.jpg",  # a sequence cut short
+])
+def test_names_that_are_not_utf8_go_back_to_python(tmp_path: Path, raw: bytes) -> None:
+    d = write_files(tmp_path / "d", {"a.jpg": b"3"})
+    with open(os.path.join(os.fsencode(d), raw), "wb") as f:
+        f.write(b"x")
+    assert _list(d, utf8=True) is None
+
+
 def test_slow_stats_are_reported(tmp_path: Path) -> None:
     d = write_files(tmp_path / "d", {f"{i:03d}.jpg": b"x" for i in range(100)})
     # Timed: the first 10 stats took at least 0 s each, so they were "slow".
@@ -121,6 +148,8 @@ def test_bad_arguments() -> None:
         list_dir(0, "/", 3, 1, 0.0)
     with pytest.raises(ValueError):
         list_dir(0, "/", None, -1, 0.0)
+    with pytest.raises(TypeError):
+        list_dir(0, "/", None, 1, 0.0, True, 1)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -224,10 +253,11 @@ def test_slow_stats_in_a_directory_turn_threads_on(tmp_path: Path,
     src = write_files(tmp_path / "src", files)
     seen: list[str] = []
 
-    def slow_in_b(dfd: int, base: str, stop: Any, probe: int, slow_s: float) -> Any:
+    def slow_in_b(dfd: int, base: str, stop: Any, probe: int, slow_s: float,
+                  *rest: Any) -> Any:
         seen.append(os.path.basename(base.rstrip(os.sep)))
         return list_dir(dfd, base, stop, probe, 0.0 if base.endswith(f"{os.sep}b{os.sep}")
-                        else slow_s)
+                        else slow_s, *rest)
 
     monkeypatch.setattr(_scan, "_list_dir", slow_in_b)
     walk = Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="raise")
