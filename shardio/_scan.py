@@ -274,13 +274,17 @@ class _Stats:
     def latency(self, path: str) -> float:
         return self._dir_latency(os.path.dirname(path))
 
-    def probe(self, directory: str, entries: list[os.DirEntry[str]]) -> None:
+    def probe(self, directory: str, entries: list[os.DirEntry[str]]) -> int:
         """While undecided, time the stats of the first of ``entries`` (visible ones) that the
-        decision still needs: a large directory streams only through the pool
-        (:meth:`Walk._walk_streamed`), so that must be known before it is walked."""
-        if not self.decided and entries:
-            lat = self._dir_latency(directory) if _inject.STATS_ACTIVE else 0.0
-            self._probe(_fetch_entries, entries[:_PROBE_STATS - self.probed], lat)
+        decision still needs; how many it stat'ed.  Also called ahead of :meth:`entries` for a
+        large directory, which streams only through the pool (:meth:`Walk._walk_streamed`), so
+        that must be known before it is walked."""
+        if self.decided or not entries:
+            return 0
+        head = entries[:_PROBE_STATS - self.probed]
+        lat = self._dir_latency(directory) if _inject.STATS_ACTIVE else 0.0
+        self._probe(_fetch_entries, head, lat)
+        return len(head)
 
     def entries(self, directory: str, entries: list[os.DirEntry[str]]) -> None:
         """Fetch the stats of a directory's entries (hidden ones aside) into their caches
@@ -293,8 +297,7 @@ class _Stats:
                 return
         todo = [e for e in entries if e.name[0] != "."]
         if not self.decided and todo:
-            head, todo = todo[:_PROBE_STATS - self.probed], todo[_PROBE_STATS - self.probed:]
-            self._probe(_fetch_entries, head, lat)
+            todo = todo[self.probe(directory, todo):]
             if self.decided and not self.pooled:
                 self.passed(len(todo))  # the rest, fetched by the walk itself
         if not todo:

@@ -470,3 +470,31 @@ def test_a_folder_with_links_or_closed_early_does_not_stream_or_leak(
     it.close()  # e.g. the pack failed: the runs in flight end, the pool with them
     assert streamed == ["c0"]
     assert not [t for t in threading.enumerate() if t.name.startswith("shardio-stat")]
+
+
+def test_a_flat_tree_is_probed_inside_its_large_folder_then_streams(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe has not decided when the walk reaches the one large folder (the top holds
+    # just it): it times that folder's first stats (here any stat counts as slow), turns the
+    # threads on, and the folder streams, with the same samples as the one-thread walk.
+    from shardio import _scan
+
+    src = _big_folder(tmp_path / "src")
+    monkeypatch.setattr(_scan, "_STREAM_MIN", 50)
+    monkeypatch.setattr(_scan, "_SLOW_STAT", 0.0)
+    streamed: list[str] = []
+    real = Walk._walk_streamed
+
+    def note(self: Any, path: str, *args: Any) -> Any:
+        streamed.append(os.path.basename(path))
+        return real(self, path, *args)
+
+    monkeypatch.setattr(Walk, "_walk_streamed", note)
+    walk = Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="skip")
+    got = [(s.key, s.files, s.label) for s in walk]
+    assert streamed == ["c0"] and walk.stats.pooled and walk.stats.probes == 1
+    monkeypatch.setattr(_scan, "_list_dir", None)
+    ref = Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="skip",
+               scan_threads=1)
+    assert got == [(s.key, s.files, s.label) for s in ref]
+    assert (walk.files, walk.skipped) == (ref.files, ref.skipped)
