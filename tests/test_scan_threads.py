@@ -408,6 +408,19 @@ def _big_folder(root: Path) -> Path:
     return write_files(root, files)
 
 
+def _spy_streamed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The folders Walk._walk_streamed walks, by name, in order."""
+    streamed: list[str] = []
+    real = Walk._walk_streamed
+
+    def note(self: Any, path: str, *args: Any) -> Any:
+        streamed.append(os.path.basename(path))
+        return real(self, path, *args)
+
+    monkeypatch.setattr(Walk, "_walk_streamed", note)
+    return streamed
+
+
 @pytest.mark.parametrize("label", [False, True])
 def test_a_large_folder_streams_its_samples_as_stats_arrive(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, label: bool) -> None:
@@ -449,14 +462,7 @@ def test_a_folder_with_links_or_closed_early_does_not_stream_or_leak(
     os.symlink(src / "c0" / "0001.jpg", src / "c0" / "9999.jpg")
     monkeypatch.setattr(_scan, "_STREAM_MIN", 50)
     monkeypatch.setattr(_scan, "_STREAM_PER", 8)
-    streamed: list[str] = []
-    real = Walk._walk_streamed
-
-    def note(self: Any, path: str, *args: Any) -> Any:
-        streamed.append(os.path.basename(path))
-        return real(self, path, *args)
-
-    monkeypatch.setattr(Walk, "_walk_streamed", note)
+    streamed = _spy_streamed(monkeypatch)
     walk = Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="skip",
                 scan_threads=4)
     keys = [s.key for s in walk]
@@ -482,14 +488,7 @@ def test_a_flat_tree_is_probed_inside_its_large_folder_then_streams(
     src = _big_folder(tmp_path / "src")
     monkeypatch.setattr(_scan, "_STREAM_MIN", 50)
     monkeypatch.setattr(_scan, "_SLOW_STAT", 0.0)
-    streamed: list[str] = []
-    real = Walk._walk_streamed
-
-    def note(self: Any, path: str, *args: Any) -> Any:
-        streamed.append(os.path.basename(path))
-        return real(self, path, *args)
-
-    monkeypatch.setattr(Walk, "_walk_streamed", note)
+    streamed = _spy_streamed(monkeypatch)
     walk = Walk(str(src), str(tmp_path / "o"), label_from_dir=True, on_error="skip")
     got = [(s.key, s.files, s.label) for s in walk]
     assert streamed == ["c0"] and walk.stats.pooled and walk.stats.probes == 1
