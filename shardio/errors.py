@@ -50,7 +50,8 @@ involved and say what to change.
     │   ├── MessageTooLargeError (ValueError)    a message does not fit in the ring's capacity
     │   └── MessageInUseError (BufferError)      released while arrays still view its payload
     ├── WorkerError (RuntimeError)               a loader worker raised (traceback attached)
-    │   └── WorkerCrashedError                   a worker kept dying (over max_restarts)
+    │   ├── WorkerCrashedError                   a worker kept dying (over max_restarts)
+    │   └── WorkerTimeoutError (TimeoutError)    no batch within ShardLoader(timeout=...)
     └── MissingDependencyError (ImportError)     an optional package is needed for this feature
 """
 
@@ -101,6 +102,7 @@ __all__ = [
     "UsageError",
     "WorkerCrashedError",
     "WorkerError",
+    "WorkerTimeoutError",
 ]
 
 
@@ -315,6 +317,11 @@ class WorkerError(ShardioError, RuntimeError):
 
 class WorkerCrashedError(WorkerError):
     """A loader worker died (signal, crash) more often than ``max_restarts`` allows."""
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """A batch did not arrive within ``ShardLoader(timeout=...)`` seconds (a ``RuntimeError``,
+    as DataLoader's timeout is); the message names the worker and the step it owed."""
 
 
 class MissingDependencyError(ShardioError, ImportError):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import time
 import warnings
@@ -40,7 +41,7 @@ from ._fsutil import atomic_write_bytes
 from ._tree import ALIGN, Area, Plan, plan_collate, plan_tree, read_header, read_tree
 from .config import LoaderOptions
 from .dataset import ShardDataset, repeat_for_skipped
-from .errors import ShmSpaceError, UsageError, WorkerCrashedError
+from .errors import ShmSpaceError, UsageError, WorkerCrashedError, WorkerTimeoutError
 from .order import RankPlan
 from .pool import Claim, PoolOptions, WorkerPool
 from .sharedbytes import CHUNK_BYTES, Arena, is_arena_field
@@ -70,6 +71,34 @@ _MAX_RETIRED_MAPPINGS = 32
 _AREA_START = 128
 _TAIL_MIN = 16 << 10
 _TAIL_FIRST = 256 << 10
+
+_MASK64 = (1 << 64) - 1
+_BATCH_SEEDS = 0xBA7C5EED  # domain word of the per-batch seeds (see _Job.produce)
+_WORKER_SEEDS = 0x5EED0F  # domain word of a base seed derived from the dataset's seed
+
+
+def _mix64(*words: int) -> int:
+    """A 64-bit seed from integers (splitmix64 over them): nearby inputs (steps, workers) give
+    unrelated seeds."""
+    h = 0
+    for w in words:
+        h = (h + 0x9E3779B97F4A7C15 + (w & _MASK64)) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h
+
+
+def _seed_rngs(seed: int) -> None:
+    """Seed the global generators a transform may draw from: torch's CPU generator with
+    ``seed`` (not ``torch.manual_seed``, which also seeds every accelerator's: ~80 us against
+    ~1 us), ``random`` and numpy's legacy ``np.random`` with seeds derived from it.  (Both of
+    the latter are Mersenne Twisters seeded the same way: given one seed, they would draw the
+    very same numbers.)"""
+    torch.default_generator.manual_seed(seed)
+    random.seed(_mix64(seed, 1))
+    n = _mix64(seed, 2)
+    np.random.seed([n & 0xFFFFFFFF, n >> 32])
 
 
 class _ClaimArena:
@@ -110,9 +139,15 @@ class _ClaimArena:
 class _Job:
     """Runs in each worker: the epoch's order and plan, then one batch per ``produce``."""
 
-    def __init__(self, dataset: ShardDataset, collate_fn: Callable[[list[Any]], Any] | None) -> None:
+    def __init__(self, dataset: ShardDataset, collate_fn: Callable[[list[Any]], Any] | None,
+                 worker_init_fn: Callable[[int], Any] | None = None) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
+        self.worker_init_fn = worker_init_fn
+        self.worker = (0, 1)  # (index, num_workers) of this worker (bind_worker)
+        self.inited = 0  # pid of the process whose worker set-up ran (_init_worker)
+        self.seed = 0  # the loader's base seed (spec)
+        self.rank = 0
         self.order: Any = None
         self.plan: RankPlan | None = None
         self.cursor = 0
@@ -128,6 +163,26 @@ class _Job:
         """Called by the pool in each worker: ``claim(nbytes)`` reserves ring memory to build
         the next batch in (see *Reading into the ring* in :mod:`shardio.pool`)."""
         self.claim = claim
+
+    def bind_worker(self, index: int, num_workers: int) -> None:
+        """Called by the pool in each worker: which worker of how many this process is."""
+        self.worker = (index, num_workers)
+
+    def _init_worker(self) -> None:
+        """Once per worker process, at its first epoch: what a DataLoader worker sets up before
+        the user's code runs.  The generators get the seed ``base + index`` (DataLoader's), which
+        ``get_worker_info().seed`` reports, then ``worker_init_fn(index)`` runs (an exception
+        from it reaches main as a WorkerError, like one from a transform)."""
+        from torch.utils.data._utils import worker as torch_worker
+
+        index, count = self.worker
+        seed = (self.seed + index) & (_MASK64 >> 1)
+        _seed_rngs(seed)
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=index, num_workers=count, seed=seed, dataset=self.dataset)
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(index)
+        self.inited = os.getpid()
 
     def begin(self, spec: dict[str, Any]) -> None:
         # Everything comes from ``spec``: the dataset's epoch and cursor live in memory shared
@@ -152,8 +207,11 @@ class _Job:
                              spec["batch_size"], o.remainder)
         self.stride = spec.get("stride", 1)
         self.epoch = spec["epoch"]
+        self.seed, self.rank = spec.get("seed", 0), spec["rank"]
         ds.reader.prefer_cache()
         self.ahead: tuple[int, np.ndarray] | None = None
+        if self.inited != os.getpid():
+            self._init_worker()
 
     def produce(self, step: int) -> tuple[Any, list[float]]:
         assert self.plan is not None and self.order is not None
@@ -164,7 +222,11 @@ class _Job:
         else:
             ids = ds._step_ids(self.order, plan, self.cursor, step)
         self.ahead = None
-        ds._report(self.epoch, self.cursor + step * plan.world_size * plan.batch_size)
+        position = self.cursor + step * plan.world_size * plan.batch_size
+        ds._report(self.epoch, position)
+        # The random augmentations of a batch depend on nothing but the batch: the same with
+        # any worker count, after a worker's restart and after a resume (see ShardLoader).
+        _seed_rngs(_mix64(self.seed, self.epoch, self.rank, position, _BATCH_SEEDS))
         nxt = step + self.stride
         if ds.options.prefetch_shards and nxt < plan.num_batches:
             self.ahead = (nxt, ds._step_ids(self.order, plan, self.cursor, nxt))
@@ -262,43 +324,90 @@ class _Job:
 class ShardLoader:
     """Iterate batches of a :class:`~shardio.ShardDataset` with a shared-memory worker pool.
 
-    Replaces ``DataLoader(dataset, batch_size=..., num_workers=...)`` in a training loop: batches
-    come in the dataset's deterministic order, every rank gets the same number of them, and
-    ``state_dict()`` records exactly the batches handed out (not those prefetched).
+    Replaces ``DataLoader`` in a training loop, with the same arguments in the same places:
+    batches come in the dataset's deterministic order, every rank gets the same number of them,
+    and ``state_dict()`` records exactly the batches handed out (not those prefetched).
+
+    Random augmentations: before each batch, the worker making it seeds torch's CPU generator,
+    ``random`` and ``np.random`` from (base seed, epoch, rank, the batch's place in the epoch),
+    so a transform that draws from them gives each batch its own draws, and the same ones
+    whatever the worker count, after a worker's restart, and after a resume.  The base seed
+    comes from the dataset's ``seed`` (like its order: the same on every rank, so every rank's
+    ``state_dict()`` is the same), or is drawn at construction from ``generator`` when one is
+    given (another run of the same order with other draws); ``state_dict()`` saves it.  (A
+    DataLoader seeds each worker once, base + worker id, from torch's default generator; each
+    ShardLoader worker starts that way too, which ``get_worker_info().seed`` reports.)
 
     Args:
         dataset: the :class:`~shardio.ShardDataset` (its order, decode and transform apply).
         batch_size: samples per batch.
+        shuffle: None or False; True only if the dataset shuffles (the order is the dataset's:
+            ``ShardDataset(shuffle=True, seed=...)``).
+        sampler, batch_sampler: must be None: the dataset defines the order and splits it over
+            ranks itself (no ``DistributedSampler``).
         num_workers: worker processes (>= 1).
         collate_fn: builds a batch from a list of samples in the worker; default stacks arrays
             straight into shared memory (like torch's ``default_collate``).
-        drop_last: drop each rank's final partial batch.
         pin_memory: copy batches into pinned memory (only useful with CUDA).
+        drop_last: drop each rank's final partial batch.
+        timeout: seconds to wait for one batch before :class:`~shardio.errors.WorkerTimeoutError`
+            (0: no limit; checked every ``poll_interval``).  The workers are then stopped; the
+            next iteration starts new ones.
+        worker_init_fn: called as ``worker_init_fn(worker_id)`` in each worker process (a
+            restarted one too) before its first batch; ``torch.utils.data.get_worker_info()``
+            works there and in the transform, as under DataLoader.
+        multiprocessing_context: None or ``"fork"`` (the workers are forked: they inherit the
+            dataset, the rings and their descriptors).
+        generator: a ``torch.Generator`` to draw the base seed from, instead of deriving it
+            from the dataset's seed.
+        prefetch_factor: as :attr:`LoaderOptions.prefetch_factor` (None: its default).
+        persistent_workers: True (default): workers live until :meth:`close`.  False: they
+            are stopped at the end of each iteration (completed or not) and started again by
+            the next, as a DataLoader's are.
+        pin_memory_device: ``""`` or ``"cuda"``.
+        in_order: accepted for DataLoader's sake; batches always come in order.
         options: :class:`~shardio.config.LoaderOptions` (ring size, shm directory, CPU pinning,
             restarts, logging); or pass its fields as keywords.
 
     Raises:
+        UsageError: an argument ShardLoader cannot honour (the message says what to pass).
         ShmSpaceError: the rings do not fit (names the option to change).
         WorkerError: a worker raised (its traceback attached); WorkerCrashedError when workers
-            keep dying.
+            keep dying; WorkerTimeoutError past ``timeout``.
     """
 
     def __init__(
         self,
         dataset: ShardDataset,
-        batch_size: int = 1,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
         num_workers: int = 2,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        drop_last: bool = False,
         pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], Any] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
         *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = True,
+        pin_memory_device: str = "",
+        in_order: bool = True,
         options: LoaderOptions | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, ShardDataset):
             raise UsageError("ShardLoader reads a shardio.ShardDataset; wrap your data with one")
-        if batch_size < 1 or num_workers < 1:
+        _check_dataloader_args(dataset, batch_size, shuffle, sampler, batch_sampler, timeout,
+                               worker_init_fn, multiprocessing_context, generator,
+                               persistent_workers, pin_memory_device, in_order)
+        if batch_size is None or batch_size < 1 or num_workers < 1:
             raise UsageError("batch_size and num_workers must be >= 1 (use DataLoader for 0)")
+        if prefetch_factor is not None:
+            kwargs["prefetch_factor"] = prefetch_factor
         if options is None:
             options = LoaderOptions(**kwargs)
         elif kwargs:
@@ -309,7 +418,15 @@ class ShardLoader:
         self.collate_fn = collate_fn
         self.drop_last = drop_last
         self.pin_memory = pin_memory
+        self.timeout = float(timeout)
+        self.worker_init_fn = worker_init_fn
+        self.persistent_workers = persistent_workers
         self.options = options
+        # The base of every worker's seeds (see the class docstring); drawn as DataLoader draws
+        # its own when there is a generator.
+        # A non-negative int64, as DataLoader's.
+        self.seed = (_mix64(dataset.options.seed, _WORKER_SEEDS) >> 1 if generator is None else
+                     int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()))
         self._stats = LoaderStats(log_every=options.log_every, window=options.warn_window,
                                   warn_ratio=options.warn_wait_ratio)
         self._iterating: object | None = None  # the running iteration's token
@@ -360,11 +477,12 @@ class ShardLoader:
         if self._pool is None:
             o = self.options
             pool = WorkerPool(
-                _Job(self.dataset, self.collate_fn),
+                _Job(self.dataset, self.collate_fn, self.worker_init_fn),
                 PoolOptions(num_workers=self.num_workers,
                             ring_bytes=self._ring_size if o.ring_bytes == "auto" else o.ring_bytes,
                             shm_dir=o.shm_dir, cpus=self._cpus(), poll_interval=o.poll_interval,
-                            max_restarts=o.max_restarts, start_timeout=o.start_timeout),
+                            max_restarts=o.max_restarts, start_timeout=o.start_timeout,
+                            timeout=self.timeout),
             )
             pool.start()  # closes itself if it fails: keep no half-started pool around
             pool.make_room = self._make_room
@@ -561,6 +679,7 @@ class ShardLoader:
         steps = range(self._num_steps(plan))
         spec = {"epoch": ds.epoch, "cursor": ds._cursor, "world_size": topo.world_size,
                 "rank": topo.rank, "batch_size": self.batch_size, "stride": pool.num_workers,
+                "seed": self.seed,
                 "node_order": (ds._node_params(self.batch_size)
                                if ds.options.order == "node" else None)}
         self._delivered = 0
@@ -581,9 +700,9 @@ class ShardLoader:
                     _step, ring, msg = next(it)
                 except StopIteration:
                     break
-                except (WorkerCrashedError, ShmSpaceError):
-                    # The pool lost a worker for good, or its rings did not fit: a later
-                    # iteration starts a fresh one.
+                except (WorkerCrashedError, WorkerTimeoutError, ShmSpaceError):
+                    # The pool lost a worker for good, one hangs, or its rings did not fit: a
+                    # later iteration starts a fresh one.
                     self._stats.restarts = pool.restarts
                     self.close()
                     raise
@@ -605,6 +724,8 @@ class ShardLoader:
         finally:
             if self._iterating is token:
                 self._iterating = None
+                if not self.persistent_workers:
+                    self.close()  # as a DataLoader's iterator stops its workers
         self._stats.epoch_end()
         self._finished = True
         self.dataset._cursor = 0
@@ -627,12 +748,16 @@ class ShardLoader:
             # This loader's batch size, not the dataset's ReadOptions.batch_size: the batches
             # counted here were cut by the loader.
             cursor = ds._cursor + self._plan().consumed(self._delivered)
-        return ds.state_dict(batches=0) | {"cursor": cursor, "batch_size": self.batch_size}
+        return ds.state_dict(batches=0) | {"cursor": cursor, "batch_size": self.batch_size,
+                                           "worker_seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume exactly after what :meth:`state_dict` recorded (world size, worker count and
-        batch size may differ)."""
+        batch size may differ), with its base seed of the workers' generators (a state without
+        one, from a ShardDataset, keeps this loader's)."""
         self.dataset.load_state_dict(state)
+        if state.get("worker_seed") is not None:
+            self.seed = int(state["worker_seed"])
         self._delivered = 0
         self._finished = False
 
@@ -663,6 +788,46 @@ class ShardLoader:
             self.close()
         except Exception:
             pass
+
+
+def _check_dataloader_args(dataset: ShardDataset, batch_size: int | None, shuffle: Any,
+                           sampler: Any, batch_sampler: Any, timeout: Any, worker_init_fn: Any,
+                           context: Any, generator: Any, persistent_workers: Any,
+                           pin_memory_device: Any, in_order: Any) -> None:
+    """DataLoader's arguments that ShardLoader takes: a UsageError for a value it cannot
+    honour, naming what to do instead."""
+    if batch_size is None:
+        raise UsageError("batch_size=None (one sample at a time) is DataLoader's; ShardLoader "
+                         "moves whole batches: give a batch size, or iterate the ShardDataset "
+                         "under DataLoader(batch_size=None)")
+    if shuffle not in (None, False, True):
+        raise UsageError(f"shuffle must be None, False or True, got {shuffle!r}")
+    if shuffle and not dataset.options.shuffle:
+        raise UsageError("shuffle=True: the order is the dataset's, and this ShardDataset does "
+                         "not shuffle; construct it with ShardDataset(..., shuffle=True, seed=...)")
+    if sampler is not None or batch_sampler is not None:
+        raise UsageError("ShardLoader takes no sampler or batch_sampler: the ShardDataset defines "
+                         "the order (seed, shuffle) and splits it over ranks itself (no "
+                         "DistributedSampler needed); drop the argument")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise UsageError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+    if worker_init_fn is not None and not callable(worker_init_fn):
+        raise UsageError(f"worker_init_fn must be callable, got {worker_init_fn!r}")
+    method = context if context is None or isinstance(context, str) else getattr(
+        context, "get_start_method", lambda: context)()
+    if method not in (None, "fork"):
+        raise UsageError(f"multiprocessing_context={context!r}: ShardLoader forks its workers "
+                         "(they inherit the dataset and the shared-memory rings); drop the "
+                         "argument or pass 'fork'")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise UsageError(f"generator must be a torch.Generator, got {generator!r}")
+    if not isinstance(persistent_workers, bool):
+        raise UsageError(f"persistent_workers must be True or False, got {persistent_workers!r}")
+    if pin_memory_device not in ("", "cuda"):
+        raise UsageError(f"pin_memory_device={pin_memory_device!r}: ShardLoader pins memory for "
+                         "CUDA only; pass '' or 'cuda'")
+    if not isinstance(in_order, bool):
+        raise UsageError(f"in_order must be True or False, got {in_order!r}")
 
 
 def _pin(tree: Any) -> Any:

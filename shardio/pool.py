@@ -164,6 +164,7 @@ from .errors import (
     UsageError,
     WorkerCrashedError,
     WorkerError,
+    WorkerTimeoutError,
 )
 from .ring import DEFAULT_SHM_DIR, Message, Ring, check_shm_space, sweep_stale
 
@@ -212,7 +213,12 @@ _NO_RING = ("no ring",)  # _Output.await_ring: its memory could not be allocated
 
 
 class BatchJob(Protocol):
-    """What a worker runs; built in main and inherited by ``fork``."""
+    """What a worker runs; built in main and inherited by ``fork``.
+
+    Optional hooks, called once in each worker process (a restarted one too) before its first
+    command: ``bind_output(claim)`` (see *Reading into the ring*) and ``bind_worker(index,
+    num_workers)``, which worker of how many this process is.
+    """
 
     def begin(self, spec: Any) -> None: ...
 
@@ -232,6 +238,9 @@ class PoolOptions:
     max_restarts: int = 3
     join_timeout: float = 5.0
     start_timeout: float = START_TIMEOUT
+    # Seconds main waits for one batch before WorkerTimeoutError (0: for ever); checked every
+    # poll_interval.
+    timeout: float = 0.0
 
 
 class SpilledMessage:
@@ -635,7 +644,8 @@ def _write(plan: Plan, buf: memoryview, step: int, times: list[float], kind: int
 
 def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any, want: Any,
                  started: Any, index: int, cpus: Sequence[int] | None, parent: int,
-                 poll: float, main_ends: Sequence[Any], pdeathsig: bool) -> None:
+                 poll: float, main_ends: Sequence[Any], pdeathsig: bool,
+                 num_workers: int) -> None:
     started[index] = os.getpid()  # out of fork: see "Stuck start" in the module docstring
     if pdeathsig:  # forked by main's main thread (see "Failure handling")
         _set_pdeathsig()
@@ -670,6 +680,9 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
     bind = getattr(job, "bind_output", None)
     if bind is not None:
         bind(out.claim)  # see *Reading into the ring*
+    bind = getattr(job, "bind_worker", None)
+    if bind is not None:
+        bind(index, num_workers)  # which worker this process is (the job's begin() runs later)
     cmd = None
     while True:
         if cmd is None:
@@ -823,7 +836,7 @@ class WorkerPool:
             target=_worker_main, name=f"shardio-worker-{w.index}", daemon=True,
             args=(self.job, w.ring, ctl_recv, data_send, self._gen, self._want, self._started,
                   w.index, self.options.cpus, os.getpid(), self.options.poll_interval, main_ends,
-                  pdeathsig),
+                  pdeathsig, self.options.num_workers),
         )
         self._started[w.index] = 0
         w.spawned = time.monotonic()
@@ -859,6 +872,7 @@ class WorkerPool:
         Raises:
             WorkerError: a worker raised (``__cause__`` is its exception).
             WorkerCrashedError: a worker died more than ``max_restarts`` times.
+            WorkerTimeoutError: a step took longer than ``PoolOptions.timeout`` to arrive.
             UsageError: a newer ``run`` started while this one was suspended.
             ShmSpaceError: rings sized from the first batch do not fit (the pool is closed).
         """
@@ -978,6 +992,8 @@ class WorkerPool:
         want = todo.first()
         self._check_current(generation)  # before touching `want` or `early`: not ours any more
         self._want[w.index] = want
+        timeout = self.options.timeout
+        deadline = time.monotonic() + timeout if timeout > 0 else None
         try:
             while True:
                 self._check_current(generation)
@@ -995,6 +1011,12 @@ class WorkerPool:
                             f"was still inside fork {self.options.start_timeout:g} s after it "
                             "(a lock another thread held at the fork; see shardio.pool, "
                             "'Stuck start')"))
+                    elif deadline is not None and time.monotonic() >= deadline:
+                        raise WorkerTimeoutError(
+                            f"worker {w.index} (pid {w.proc.pid}) did not deliver step {want} "
+                            f"within {timeout:g} s: a transform or collate_fn that hangs or "
+                            "takes that long (py-spy dump --pid shows where), or storage that "
+                            "stalls; raise ShardLoader(timeout=...) if batches are that slow")
                     continue
                 ring, msg = got
                 kind, step, _times, gen = read_header(msg.view)
