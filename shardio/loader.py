@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ._fsutil import atomic_write_bytes
-from ._tree import ALIGN, Area, Plan, plan_collate, plan_tree, read_header, read_tree
+from ._tree import ALIGN, STAGES, Area, Plan, plan_collate, plan_tree, read_header, read_tree
 from .config import LoaderOptions
 from .dataset import ShardDataset, repeat_for_skipped
 from .errors import ShmSpaceError, UsageError, WorkerCrashedError, WorkerTimeoutError
@@ -140,10 +140,14 @@ class _Job:
     """Runs in each worker: the epoch's order and plan, then one batch per ``produce``."""
 
     def __init__(self, dataset: ShardDataset, collate_fn: Callable[[list[Any]], Any] | None,
-                 worker_init_fn: Callable[[int], Any] | None = None) -> None:
+                 worker_init_fn: Callable[[int], Any] | None = None, *,
+                 in_process: bool = False) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.worker_init_fn = worker_init_fn
+        # num_workers=0: batches made in the training process (ShardLoader._iter_here), which
+        # keeps its torch threads, and its worker info (None) and generators (restored).
+        self.in_process = in_process
         self.worker = (0, 1)  # (index, num_workers) of this worker (bind_worker)
         self.inited = 0  # pid of the process whose worker set-up ran (_init_worker)
         self.seed = 0  # the loader's base seed (spec)
@@ -189,7 +193,7 @@ class _Job:
         # with main, and a worker that starts an epoch late (a restart) must not write them.
         ds = self.dataset
         o = ds.options
-        if _ONE_THREAD[0] != os.getpid():
+        if _ONE_THREAD[0] != os.getpid() and not self.in_process:
             # As DataLoader does in its workers: N workers each running torch's intra-op pool
             # of one thread per core would oversubscribe the CPUs (and OpenMP threads spin).
             torch.set_num_threads(1)
@@ -210,7 +214,7 @@ class _Job:
         self.seed, self.rank = spec.get("seed", 0), spec["rank"]
         ds.reader.prefer_cache()
         self.ahead: tuple[int, np.ndarray] | None = None
-        if self.inited != os.getpid():
+        if self.inited != os.getpid() and not self.in_process:
             self._init_worker()
 
     def produce(self, step: int) -> tuple[Any, list[float]]:
@@ -345,7 +349,9 @@ class ShardLoader:
             ``ShardDataset(shuffle=True, seed=...)``).
         sampler, batch_sampler: must be None: the dataset defines the order and splits it over
             ranks itself (no ``DistributedSampler``).
-        num_workers: worker processes (>= 1).
+        num_workers: worker processes; 0 makes each batch in this process when the loop asks
+            for it (slower: for debugging, as DataLoader's 0), with the same batches and the
+            same random draws.
         collate_fn: builds a batch from a list of samples in the worker; default stacks arrays
             straight into shared memory (like torch's ``default_collate``).
         pin_memory: copy batches into pinned memory (only useful with CUDA).
@@ -404,8 +410,10 @@ class ShardLoader:
         _check_dataloader_args(dataset, batch_size, shuffle, sampler, batch_sampler, timeout,
                                worker_init_fn, multiprocessing_context, generator,
                                persistent_workers, pin_memory_device, in_order)
-        if batch_size is None or batch_size < 1 or num_workers < 1:
-            raise UsageError("batch_size and num_workers must be >= 1 (use DataLoader for 0)")
+        if batch_size is None or batch_size < 1:
+            raise UsageError(f"batch_size must be >= 1, got {batch_size!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise UsageError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         if prefetch_factor is not None:
             kwargs["prefetch_factor"] = prefetch_factor
         if options is None:
@@ -671,17 +679,24 @@ class ShardLoader:
         self._stats.detached += moved
         return freed or moved > 0
 
-    def __iter__(self) -> Iterator[Any]:
-        pool = self._ensure_pool()
+    def _spec(self, stride: int) -> dict[str, Any]:
+        """What every worker needs to make its batches of the coming epoch (``_Job.begin``)."""
         ds = self.dataset
         topo = ds.topology
-        plan = self._plan()
-        steps = range(self._num_steps(plan))
-        spec = {"epoch": ds.epoch, "cursor": ds._cursor, "world_size": topo.world_size,
-                "rank": topo.rank, "batch_size": self.batch_size, "stride": pool.num_workers,
+        return {"epoch": ds.epoch, "cursor": ds._cursor, "world_size": topo.world_size,
+                "rank": topo.rank, "batch_size": self.batch_size, "stride": stride,
                 "seed": self.seed,
                 "node_order": (ds._node_params(self.batch_size)
                                if ds.options.order == "node" else None)}
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.num_workers == 0:
+            yield from self._iter_here()
+            return
+        pool = self._ensure_pool()
+        ds = self.dataset
+        steps = range(self._num_steps(self._plan()))
+        spec = self._spec(pool.num_workers)
         self._delivered = 0
         self._finished = False
         self._detach_events = 0
@@ -729,6 +744,58 @@ class ShardLoader:
         self._stats.epoch_end()
         self._finished = True
         self.dataset._cursor = 0
+
+    def _iter_here(self) -> Iterator[Any]:
+        """``num_workers=0``: each batch made in this process when the loop asks for it, as
+        DataLoader's ``num_workers=0`` does (a breakpoint in a transform stops the loop; its
+        exceptions arrive as they are).  The same batches, and the same random draws, as with
+        workers: the generators are seeded for each batch as a worker would seed them, and
+        this process's own generator states are put back afterwards."""
+        ds = self.dataset
+        views = ds.options.zero_copy
+        job = _Job(ds, self.collate_fn, in_process=True)
+        keep = ds.reader.arena  # the job reads into its own memory; the dataset's is put back
+        self._delivered = 0
+        self._finished = False
+        self._stats.begin_epoch()
+        ds._start_staging(ds.epoch, self.batch_size)
+        self._iterating = token = object()
+        try:
+            for step in range(self._num_steps(self._plan())):
+                if self._preempt_pending and self._preempt_stop():
+                    return
+                started = self._stats.begin_wait()
+                states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+                try:
+                    if step == 0:
+                        job.begin(self._spec(1))
+                    else:
+                        ds.reader.set_arena(job.private if views else None)
+                    out, times = job.produce(step)
+                    t0 = time.perf_counter()
+                    buf = np.empty(out.nbytes, dtype=np.uint8)
+                    out.write(memoryview(buf), step, times)
+                    del out
+                finally:
+                    ds.reader.set_arena(keep)
+                    torch.set_rng_state(states[0])
+                    random.setstate(states[1])
+                    np.random.set_state(states[2])
+                times[4] = time.perf_counter() - t0
+                times[5] += times[4]
+                batch = read_tree(buf, torch.from_numpy, views)
+                del buf
+                if self.pin_memory:
+                    batch = _pin(batch)
+                self._delivered += 1
+                self._stats.end_wait(started, dict(zip(STAGES, times)))
+                yield batch
+        finally:
+            if self._iterating is token:
+                self._iterating = None
+        self._stats.epoch_end()
+        self._finished = True
+        ds._cursor = 0
 
     def _preempt_stop(self) -> bool:
         """Save the position; True when the iteration must end (``stop=True``)."""

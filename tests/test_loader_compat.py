@@ -315,3 +315,71 @@ def test_timeout_is_a_typed_error_and_stops_the_workers(
     assert time.monotonic() - t0 < 15
     assert isinstance(e.value, RuntimeError) and isinstance(e.value, TimeoutError)
     assert wait_gone(new_workers(before), 10.0) == []
+
+
+# --- num_workers=0 ------------------------------------------------------------------------------
+def in_main_facts(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"__key__": sample["__key__"], "pid": os.getpid(), "none": get_worker_info() is None}
+
+
+def explode_on_key_7(sample: dict[str, Any]) -> dict[str, Any]:
+    if sample["__key__"].endswith("7"):
+        raise ZeroDivisionError(f"cannot transform {sample['__key__']}")
+    return sample
+
+
+def test_no_workers_makes_the_same_batches_here(text: Path,
+                                                make_loader: Callable[..., ShardLoader]) -> None:
+    """num_workers=0: no process, no ring; the same batches and draws as with workers, and the
+    training process's own generators are where they were."""
+    before = {p.pid for p in live_children()}
+    rings = our_rings()
+    ds = ShardDataset(text, seed=3, transform=Draws())
+    here = make_loader(ds, 4, num_workers=0)
+    arena = ds.reader.arena
+    torch.manual_seed(1)
+    random.seed(1)
+    np.random.seed(1)
+    expect = (torch.rand(3), random.random(), np.random.rand(2))
+    torch.manual_seed(1)
+    random.seed(1)
+    np.random.seed(1)
+    draws = draws_of(here)
+    assert new_workers(before) == [] and our_rings() == rings
+    got = (torch.rand(3), random.random(), np.random.rand(2))
+    assert torch.equal(got[0], expect[0]) and got[1] == expect[1]
+    assert np.array_equal(got[2], expect[2])
+    assert ds.reader.arena is arena
+    assert draws == draws_of(make_loader(ShardDataset(text, seed=3, transform=Draws()), 4))
+    facts = [b for b in make_loader(ShardDataset(text, seed=3, transform=in_main_facts), 4,
+                                    num_workers=0)]
+    assert {p for b in facts for p in b["pid"].tolist()} == {os.getpid()}
+    assert all(b["none"].all() for b in facts)
+
+
+def test_no_workers_zero_copy_batches_stay_intact(text: Path,
+                                                 make_loader: Callable[..., ShardLoader]) -> None:
+    ds = ShardDataset(text, seed=3, zero_copy=True)
+    batches = list(make_loader(ds, 4, num_workers=0))
+    with_workers = list(make_loader(ShardDataset(text, seed=3, zero_copy=True), 4))
+    assert len(batches) == len(with_workers)
+    for a, b in zip(batches, with_workers):  # every batch kept: none was written over
+        assert a["__key__"] == b["__key__"]
+        assert [bytes(x) for x in a["txt"]] == [bytes(x) for x in b["txt"]]
+
+
+def test_no_workers_raises_the_transform_error_itself_and_resumes(
+        text: Path, make_loader: Callable[..., ShardLoader]) -> None:
+    with pytest.raises(ZeroDivisionError, match="cannot transform"):
+        list(make_loader(ShardDataset(text, seed=3, transform=explode_on_key_7), 4,
+                         num_workers=0))
+    loader = make_loader(ShardDataset(text, seed=3), 4, num_workers=0)
+    it = iter(loader)
+    head = [list(next(it)["__key__"]) for _ in range(6)]
+    state = loader.state_dict()
+    it.close()
+    rest = make_loader(ShardDataset(text, seed=3), 2, num_workers=2)
+    rest.load_state_dict(state)
+    expected = epoch_keys(text, seed=3)
+    assert [k for b in head for k in b] == expected[:24]
+    assert [k for b in rest for k in b["__key__"]] == expected[24:]
