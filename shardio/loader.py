@@ -429,7 +429,14 @@ class ShardLoader:
         self.timeout = float(timeout)
         self.worker_init_fn = worker_init_fn
         self.persistent_workers = persistent_workers
+        # DataLoader's attributes that training code reads back (sampler: there is none).
+        self.generator = generator
+        self.multiprocessing_context = multiprocessing_context
+        self.pin_memory_device = pin_memory_device
+        self.in_order = in_order
+        self.sampler = self.batch_sampler = None
         self.options = options
+        self.prefetch_factor = options.prefetch_factor
         # The base of every worker's seeds (see the class docstring); drawn as DataLoader draws
         # its own when there is a generator.
         # A non-negative int64, as DataLoader's.

@@ -241,7 +241,14 @@ def test_a_dataloader_call_works_unchanged(text: Path) -> None:
     kwargs = {"prefetch_factor": 3, "persistent_workers": True, "pin_memory_device": "",
               "in_order": True}
     with ShardLoader(ds, *args, **kwargs) as loader:
-        assert loader.options.prefetch_factor == 3 and loader.num_workers == 2
+        dl = DataLoader(ds, *args, **kwargs)
+        # (collate_fn None is ShardLoader's own default collate: DataLoader shows its own.)
+        for name in ("batch_size", "num_workers", "pin_memory", "drop_last",
+                     "timeout", "worker_init_fn", "multiprocessing_context", "generator",
+                     "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order"):
+            mine, theirs = getattr(loader, name), getattr(dl, name)
+            assert mine == theirs or (name == "multiprocessing_context"
+                                      and theirs.get_start_method() == mine), name
         got = [list(b["__key__"]) for b in loader]
     assert got == expected_rank_batches(epoch_keys(text, seed=3), 0, 1, 0, 4, "pad")
 
