@@ -9,7 +9,8 @@ start, array payloads 64-byte aligned so they can be viewed in place)::
     T    table   n_arrays x <Q offset> <Q nbytes>, at T = table_off
     ...  meta    pickle of the skeleton, right after the table: the tree with every array
                  replaced by ``_Arr(i, dtype, shape, tensor)``; everything else is small and
-                 pickled in-band
+                 pickled in-band (so are objects it does not look into: a dataclass, a
+                 sparse or quantized tensor)
     ...  arrays  raw bytes of array i at table[i].offset
 
 Usually the table follows the header and the arrays follow the meta.  A message whose worker read
@@ -22,6 +23,11 @@ Two ways to fill a message: :func:`plan_tree` for a tree already built by a user
 collate, which stacks per-sample arrays straight into the message (the only copy there is).
 With an area, arrays that already lie in it are not copied at all: the table points at them.
 The reader side (:func:`read_tree`) rebuilds the skeleton with arrays that view the message.
+
+A tensor whose dtype numpy lacks (``bfloat16``, the ``float8`` types, ``complex32``) travels as
+its bytes, an array of integers of the same width, and ``_Arr.tensor`` names its dtype: the
+reader views the tensor as that dtype again.  Named tuples are looked into like tuples and come
+back as their own type.
 """
 
 from __future__ import annotations
@@ -70,7 +76,9 @@ class _Arr(NamedTuple):
     index: int
     dtype: str
     shape: tuple[int, ...]
-    tensor: bool
+    # True for a tensor, False for a numpy array, or the name of the torch dtype (a tensor
+    # whose dtype numpy lacks: ``dtype`` is then the integer type of its bytes).
+    tensor: bool | str
 
 
 class _Pieces(NamedTuple):
@@ -110,6 +118,42 @@ def _align(n: int) -> int:
 
 def _is_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "numpy")
+
+
+def _in_band(t: Any) -> bool:
+    """A tensor that is not plain memory (sparse, quantized, nested, MKL-DNN, meta): pickled
+    with the skeleton instead, as torch pickles it."""
+    return str(t.layout) != "torch.strided" or t.is_quantized or t.is_nested or t.is_meta
+
+
+_SAME_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _tensor_array(t: Any) -> tuple[np.ndarray, bool | str] | None:
+    """A tensor's data as a numpy array, and ``_Arr.tensor`` for it: True, or the name of its
+    dtype when numpy has none (the array then holds its bytes as integers of the same width;
+    the reader views them as that dtype again).  None for a tensor that goes in-band."""
+    t = t.detach().cpu()
+    try:
+        return t.numpy(), True  # the usual case, ~1 us: no more checks
+    except (TypeError, RuntimeError):
+        pass
+    if _in_band(t):
+        return None
+    t = t.resolve_conj().resolve_neg()  # numpy() refuses the conjugate and negative bits
+    try:
+        return t.numpy(), True
+    except TypeError:
+        width = _SAME_WIDTH.get(t.element_size())
+        if width is None:
+            raise
+    import torch
+
+    return t.view(getattr(torch, width)).numpy(), str(t.dtype).removeprefix("torch.")
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
 try:  # NumPy 2 moved it
@@ -267,12 +311,12 @@ class _Acc:
         self.is_field = is_field  # see plan_collate
 
     def add(self, dtype: np.dtype, shape: tuple[int, ...], fill: Callable[[np.ndarray], None],
-            tensor: bool) -> _Arr:
+            tensor: bool | str) -> _Arr:
         self.shapes.append((dtype, shape))
         self.fills.append(fill)
         return _Arr(len(self.shapes) - 1, dtype.str, shape, tensor)
 
-    def add_array(self, arr: np.ndarray, tensor: bool) -> _Arr:
+    def add_array(self, arr: np.ndarray, tensor: bool | str) -> _Arr:
         """Array ``arr`` (contiguous, no objects) as a message array: referenced where it is
         when it lies in the area, else copied in."""
         area = self.area
@@ -311,9 +355,14 @@ class _Acc:
 
 
 def _leaf(x: Any, acc: _Acc) -> Any:
-    tensor = _is_tensor(x)
+    tensor: bool | str = _is_tensor(x)
     if tensor or isinstance(x, np.ndarray):
-        arr = np.ascontiguousarray(x.detach().cpu().numpy() if tensor else x)
+        if tensor:
+            got = _tensor_array(x)
+            if got is None:
+                return x
+            x, tensor = got
+        arr = np.ascontiguousarray(x)
         if arr.dtype.hasobject:
             return arr
         return acc.add_array(arr, tensor)
@@ -321,7 +370,9 @@ def _leaf(x: Any, acc: _Acc) -> Any:
         return {k: _leaf(v, acc) for k, v in x.items()}
     if isinstance(x, list):
         return [_leaf(v, acc) for v in x]
-    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+    if isinstance(x, tuple):
+        if _is_namedtuple(x):
+            return type(x)(*(_leaf(v, acc) for v in x))
         return tuple(_leaf(v, acc) for v in x)
     return x
 
@@ -428,17 +479,26 @@ def _col(items: Sequence[Any], acc: _Acc) -> Any:
         if _fields(items, acc):
             return _pieces(items, acc)
     if _is_tensor(first) or isinstance(first, np.ndarray):
+        # Arrays that are not stacked (mixed with other things, or of different shapes or
+        # dtypes) make a list, as default_collate's; each array in it is still written out
+        # of band (pickled in the skeleton, images of different sizes would be copied twice).
         if not all(_is_tensor(x) or isinstance(x, np.ndarray) for x in items):
-            return list(items)  # arrays mixed with other things: a list, as default_collate
-        arrs = [x.detach().cpu().numpy() if _is_tensor(x) else x for x in items]
-        a0 = arrs[0]
+            return [_leaf(x, acc) for x in items]
+        got: list[tuple[np.ndarray, bool | str]] = []
+        for x in items:
+            pair = _tensor_array(x) if _is_tensor(x) else (x, True)
+            if pair is None:  # in-band (sparse, quantized, ...)
+                return [_leaf(x, acc) for x in items]
+            got.append(pair)
+        arrs = [a for a, _t in got]
+        a0, t0 = got[0]
         if not a0.dtype.hasobject and all(
-            a.shape == a0.shape and a.dtype == a0.dtype for a in arrs
+            a.shape == a0.shape and a.dtype == a0.dtype and t == t0 for a, t in got
         ):
             if acc.area is not None and any(acc.area.overlaps(a) for a in arrs):
                 acc.touched = True
-            return acc.add(a0.dtype, (len(arrs), *a0.shape), _stack_into(arrs), True)
-        return list(items)
+            return acc.add(a0.dtype, (len(arrs), *a0.shape), _stack_into(arrs), t0)
+        return [_leaf(x, acc) for x in items]
     if isinstance(first, _NUMBER):
         # The column's type comes from every item, not the first: [1, 2.5] is float64 (not
         # [1, 2]) and [True, 5] int64, as torch's default_collate gives them.
@@ -461,6 +521,8 @@ def _col(items: Sequence[Any], acc: _Acc) -> Any:
         return {k: _col([d[k] for d in items], acc) for k in first}
     if isinstance(first, (list, tuple)) and all(len(x) == len(first) for x in items):
         cols = [_col([x[i] for x in items], acc) for i in range(len(first))]
+        if _is_namedtuple(first):
+            return type(first)(*cols)  # as default_collate
         return tuple(cols) if isinstance(first, tuple) else cols
     return list(items)
 
@@ -538,7 +600,14 @@ def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
             arr = arr.view(np.ndarray)
         if how.on_field is not None:
             how.on_field(arr, off, nbytes)
-        return to_tensor(arr) if tensor else arr  # type: ignore[misc]
+        if not tensor:
+            return arr
+        t = to_tensor(arr)  # type: ignore[misc]
+        if isinstance(x.tensor, str):  # its bytes: see _tensor_array
+            import torch
+
+            t = t.view(getattr(torch, x.tensor))
+        return t
     if isinstance(x, _Pieces):
         return _build_pieces(x, buf, table, how)
     if isinstance(x, _Bytes):
@@ -554,8 +623,9 @@ def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
         return {k: _build(v, buf, table, to_tensor, how) for k, v in x.items()}
     if isinstance(x, list):
         return [_build(v, buf, table, to_tensor, how) for v in x]
-    if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        return tuple(_build(v, buf, table, to_tensor, how) for v in x)
+    if isinstance(x, tuple):
+        items = (_build(v, buf, table, to_tensor, how) for v in x)
+        return type(x)(*items) if _is_namedtuple(x) else tuple(items)
     return x
 
 

@@ -10,6 +10,7 @@ worker count, after a worker's restart and after a resume.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 import random
@@ -325,6 +326,39 @@ def test_timeout_is_a_typed_error_and_stops_the_workers(
 
 
 # --- num_workers=0 ------------------------------------------------------------------------------
+Half = collections.namedtuple("Half", "x key")
+
+
+def to_bfloat16(sample: dict[str, Any]) -> dict[str, Any]:
+    n = int(sample["__key__"][-4:])
+    return {"__key__": sample["__key__"], "x": torch.full((3, 2), n / 8, dtype=torch.bfloat16)}
+
+
+def half_batch(samples: list[dict[str, Any]]) -> Half:
+    return Half(torch.stack([s["x"] for s in samples]).to(torch.float8_e4m3fn),
+                [s["__key__"] for s in samples])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bfloat16_float8_and_named_tuple_batches(text: Path, workers: int,
+                                                 make_loader: Callable[..., ShardLoader]) -> None:
+    """Mixed-precision batches: numpy has no bfloat16 or float8, and these used to be a
+    WorkerError; a collate_fn's named tuple comes back as itself."""
+    expected = {k: torch.full((3, 2), int(k[-4:]) / 8, dtype=torch.bfloat16)
+                for k in epoch_keys(text, seed=3)}
+    stacked = make_loader(ShardDataset(text, seed=3, transform=to_bfloat16), 4,
+                          num_workers=workers)
+    for b in stacked:
+        assert b["x"].dtype == torch.bfloat16
+        assert all(torch.equal(x, expected[k]) for k, x in zip(b["__key__"], b["x"]))
+    named = make_loader(ShardDataset(text, seed=3, transform=to_bfloat16), 4,
+                        collate_fn=half_batch, num_workers=workers)
+    for b in named:
+        assert type(b) is Half and b.x.dtype == torch.float8_e4m3fn
+        assert all(torch.equal(x.float(), expected[k].to(torch.float8_e4m3fn).float())
+                   for k, x in zip(b.key, b.x))
+
+
 def in_main_facts(sample: dict[str, Any]) -> dict[str, Any]:
     return {"__key__": sample["__key__"], "pid": os.getpid(), "none": get_worker_info() is None}
 
