@@ -370,7 +370,7 @@ class ShardLoader:
         persistent_workers: True (default): workers live until :meth:`close`.  False: they
             are stopped at the end of each iteration (completed or not) and started again by
             the next, as a DataLoader's are.
-        pin_memory_device: ``""`` or ``"cuda"``.
+        pin_memory_device: ``""`` or ``"cuda"`` (``"cuda:N"``).
         in_order: accepted for DataLoader's sake; batches always come in order.
         options: :class:`~shardio.config.LoaderOptions` (ring size, shm directory, CPU pinning,
             restarts, logging); or pass its fields as keywords.
@@ -437,9 +437,8 @@ class ShardLoader:
         self.sampler = self.batch_sampler = None
         self.options = options
         self.prefetch_factor = options.prefetch_factor
-        # The base of every worker's seeds (see the class docstring); drawn as DataLoader draws
-        # its own when there is a generator.
-        # A non-negative int64, as DataLoader's.
+        # The base of every worker's seeds (see the class docstring): a non-negative int64,
+        # drawn from the generator as DataLoader draws its own when there is one.
         self.seed = (_mix64(dataset.options.seed, _WORKER_SEEDS) >> 1 if generator is None else
                      int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()))
         self._stats = LoaderStats(log_every=options.log_every, window=options.warn_window,
@@ -897,7 +896,8 @@ def _check_dataloader_args(dataset: ShardDataset, batch_size: int | None, shuffl
         raise UsageError(f"generator must be a torch.Generator, got {generator!r}")
     if not isinstance(persistent_workers, bool):
         raise UsageError(f"persistent_workers must be True or False, got {persistent_workers!r}")
-    if pin_memory_device not in ("", "cuda"):
+    if not isinstance(pin_memory_device, str) or pin_memory_device.split(":")[0] not in ("",
+                                                                                         "cuda"):
         raise UsageError(f"pin_memory_device={pin_memory_device!r}: ShardLoader pins memory for "
                          "CUDA only; pass '' or 'cuda'")
     if not isinstance(in_order, bool):

@@ -323,6 +323,11 @@ def test_timeout_is_a_typed_error_and_stops_the_workers(
     assert time.monotonic() - t0 < 15
     assert isinstance(e.value, RuntimeError) and isinstance(e.value, TimeoutError)
     assert wait_gone(new_workers(before), 10.0) == []
+    # The loader itself is fine: the next iteration starts new workers (here with the hang
+    # fixed) and delivers the epoch from its start.
+    loader.dataset.transform = None
+    assert [list(b["__key__"]) for b in loader] == expected_rank_batches(
+        epoch_keys(text, seed=3), 0, 1, 0, 4, "pad")
 
 
 # --- num_workers=0 ------------------------------------------------------------------------------
