@@ -873,8 +873,10 @@ def _check_dataloader_args(dataset: ShardDataset, batch_size: int | None, shuffl
         raise UsageError("batch_size=None (one sample at a time) is DataLoader's; ShardLoader "
                          "moves whole batches: give a batch size, or iterate the ShardDataset "
                          "under DataLoader(batch_size=None)")
-    if shuffle not in (None, False, True):
-        raise UsageError(f"shuffle must be None, False or True, got {shuffle!r}")
+    if shuffle is not None and not isinstance(shuffle, bool):  # (0 == False, 1 == True)
+        raise UsageError(f"shuffle must be None, False or True, got {shuffle!r} (the arguments "
+                         "are in DataLoader's places: shuffle is the third; pass num_workers "
+                         "by keyword)")
     if shuffle and not dataset.options.shuffle:
         raise UsageError("shuffle=True: the order is the dataset's, and this ShardDataset does "
                          "not shuffle; construct it with ShardDataset(..., shuffle=True, seed=...)")

@@ -257,6 +257,8 @@ def test_a_dataloader_call_works_unchanged(text: Path) -> None:
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"shuffle": True}, r"ShardDataset\(\.\.\., shuffle=True"),
     ({"shuffle": "yes"}, "shuffle must be"),
+    ({"shuffle": 1}, "pass num_workers by keyword"),  # ShardLoader(ds, 64, 1): the old order
+    ({"shuffle": 0}, "pass num_workers by keyword"),
     ({"sampler": [1, 2]}, "no sampler"),
     ({"batch_sampler": [[1, 2]]}, "no sampler"),
     ({"batch_size": None}, "moves whole batches"),
