@@ -410,7 +410,7 @@ class ShardLoader:
         _check_dataloader_args(dataset, batch_size, shuffle, sampler, batch_sampler, timeout,
                                worker_init_fn, multiprocessing_context, generator,
                                persistent_workers, pin_memory_device, in_order)
-        if batch_size is None or batch_size < 1:
+        if batch_size < 1:  # (None: _check_dataloader_args)
             raise UsageError(f"batch_size must be >= 1, got {batch_size!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise UsageError(f"num_workers must be an integer >= 0, got {num_workers!r}")
@@ -703,12 +703,9 @@ class ShardLoader:
         ds = self.dataset
         steps = range(self._num_steps(self._plan()))
         spec = self._spec(pool.num_workers)
-        self._delivered = 0
-        self._finished = False
+        self._begin_epoch()
         self._detach_events = 0
-        self._stats.begin_epoch()
         self._stats.restarts = pool.restarts
-        ds._start_staging(ds.epoch, self.batch_size)
         it = pool.run(spec, steps)
         self._iterating = token = object()  # a superseded iteration must not clear a newer one's
         try:
@@ -747,9 +744,7 @@ class ShardLoader:
                 self._iterating = None
                 if not self.persistent_workers:
                     self.close()  # as a DataLoader's iterator stops its workers
-        self._stats.epoch_end()
-        self._finished = True
-        self.dataset._cursor = 0
+        self._end_epoch()
 
     def _iter_here(self) -> Iterator[Any]:
         """``num_workers=0``: each batch made in this process when the loop asks for it, as
@@ -761,10 +756,7 @@ class ShardLoader:
         views = ds.options.zero_copy
         job = _Job(ds, self.collate_fn, in_process=True)
         keep = ds.reader.arena  # the job reads into its own memory; the dataset's is put back
-        self._delivered = 0
-        self._finished = False
-        self._stats.begin_epoch()
-        ds._start_staging(ds.epoch, self.batch_size)
+        self._begin_epoch()
         self._iterating = token = object()
         try:
             for step in range(self._num_steps(self._plan())):
@@ -799,9 +791,20 @@ class ShardLoader:
         finally:
             if self._iterating is token:
                 self._iterating = None
+        self._end_epoch()
+
+    def _begin_epoch(self) -> None:
+        """An iteration starts (with workers or without): counters, stats, staging."""
+        self._delivered = 0
+        self._finished = False
+        self._stats.begin_epoch()
+        self.dataset._start_staging(self.dataset.epoch, self.batch_size)
+
+    def _end_epoch(self) -> None:
+        """An iteration delivered its whole epoch: the next one starts the epoch over."""
         self._stats.epoch_end()
         self._finished = True
-        ds._cursor = 0
+        self.dataset._cursor = 0
 
     def _preempt_stop(self) -> bool:
         """Save the position; True when the iteration must end (``stop=True``)."""
