@@ -170,7 +170,7 @@ def _is_done(task: _Task, options: PackOptions) -> tuple[WrittenShard, Counter[s
             if file_digest(task.final) != recorded:
                 return None
         digest, size = recorded
-        idx_digest = file_digest(idx_path)[0] if idx_path else ""
+        idx_digest = file_digest(idx_path)[0] if idx_path else index.digest
     except (ShardioError, OSError):
         return None
     fields = Counter(index.field_names[int(n)] for n in index.f_name)

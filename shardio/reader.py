@@ -14,6 +14,7 @@ from ._fsutil import resolve_in, translate_oserror
 from .checksum import digest_bytes
 from .codec import Codec
 from .errors import (
+    IndexCorruptError,
     LayoutError,
     ManifestCorruptError,
     MissingDependencyError,
@@ -138,9 +139,11 @@ class DatasetReader:
             return got[1]
         return self._open(i)[1]
 
-    def _open(self, i: int) -> tuple[Copy, ShardReader]:
+    def _open(self, i: int, sample: int | None = None) -> tuple[Copy, ShardReader]:
+        """Shard ``i`` opened on its first copy that opens cleanly, among those not found bad
+        (for ``sample``, when the read is for that sample: see :class:`CopyLadder`)."""
         while True:
-            copies = self.ladder.copies(i)
+            copies = self.ladder.copies(i, sample)
             if not copies:
                 raise self.ladder.give_up(i)
             copy = copies[0]
@@ -224,6 +227,15 @@ class DatasetReader:
         if index is None:
             self.counters.add("opens")
             index = self._load_index(path)
+            if entry.index_digest and index.digest != entry.index_digest:
+                # Self-consistent, but not the index the dataset was packed with: a replica or
+                # copy of another version of the shard (its fields would pass their checksums).
+                raise IndexCorruptError(
+                    f"the index of {path} does not match the manifest (index_digest "
+                    f"{entry.index_digest}, found {index.digest or 'none'}): this copy is damaged "
+                    "or belongs to another version of the dataset; restore it from a good copy "
+                    "(`shardio verify` lists the damaged shards)"
+                )
             if len(index) != entry.samples:
                 raise ManifestCorruptError(
                     f"shard {path} indexes {len(index)} samples, the manifest says "
@@ -255,11 +267,12 @@ class DatasetReader:
         got[1].close()
         return got[0]
 
-    def _fault(self, i: int, exc: BaseException) -> None:
-        """The copy of shard ``i`` in use failed: move down the ladder (or give up)."""
+    def _fault(self, i: int, exc: BaseException, sample: int) -> None:
+        """The copy of shard ``i`` in use failed reading ``sample``: move down the ladder (or
+        give up)."""
         copy = self._drop(i)
         if copy is not None:
-            self.ladder.failed(i, copy, exc)
+            self.ladder.failed(i, copy, exc, sample)
 
     @property
     def on_lustre(self) -> bool:
@@ -407,7 +420,7 @@ class DatasetReader:
                 except FAULTS as exc:
                     # Move down the ladder now, so the retry reads the next copy (not this one
                     # again, which would count the same fault twice).
-                    self._fault(s, exc)
+                    self._fault(s, exc, local[k])
             if sample is not None:
                 yield sample
             else:
@@ -452,7 +465,7 @@ class DatasetReader:
         k = first
         while k < stop:
             try:
-                _copy, reader = self._readers.get(s) or self._open(s)
+                _copy, reader = self._readers.get(s) or self._open(s, k)
             except (*FAULTS, UnrepairableError):
                 if self.ladder.on_corrupt == "raise":
                     raise
@@ -464,7 +477,7 @@ class DatasetReader:
                     yield sample
                     k += 1
             except FAULTS as exc:
-                self._fault(s, exc)  # the next _open moves down the ladder (and restores)
+                self._fault(s, exc, k)  # the next _open moves down the ladder (and restores)
                 continue
 
     def iter_shard(self, i: int) -> Iterator[dict[str, Any]]:

@@ -18,7 +18,12 @@ missing file, an unreadable index or an I/O error (EIO).  What happens to the ba
   and replaced (verified copy, atomic rename) by the first good copy;
 * ``replica``: left alone (it is not ours to change).
 
-Only when every copy fails does ``on_corrupt`` decide: ``"raise"`` (:class:`UnrepairableError`)
+A fault met while reading one sample (a checksum mismatch, an I/O error) marks the copy bad for
+that sample only: a later sample that fails on the next copy is read again from a copy that
+failed on another sample (bad bytes in two copies of a shard, at different places, lose nothing).
+A copy that cannot be opened (missing, truncated, unreadable index) is bad for the whole shard.
+
+Only when every copy fails a sample does ``on_corrupt`` decide: ``"raise"`` (:class:`UnrepairableError`)
 or ``"skip"`` (the sample is dropped and counted).  Every event is counted in
 :class:`RepairCounters`, which live in shared memory that every worker process adds to (forked,
 spawned or forkserver), logged on the ``shardio.repair`` logger, and reported by ``stats()``.
@@ -154,7 +159,10 @@ class CopyLadder:
         self.replicas = tuple(os.fspath(r) for r in replicas)
         self.quarantine, self.on_corrupt = quarantine, on_corrupt
         self.counters = counters or RepairCounters()
+        # Per shard: the paths of copies bad as a whole, and (path, sample) of copies bad for
+        # one sample (see the module docstring).
         self._bad: dict[int, set[str]] = {}
+        self._bad_samples: dict[int, set[tuple[str, int]]] = {}
         self._attempts: dict[int, list[tuple[str, str]]] = {}
         self._last: dict[int, BaseException] = {}
         self._rebuilt_dir: str | None = None
@@ -172,10 +180,12 @@ class CopyLadder:
     def original(self, i: int) -> str:
         return resolve_in(self.root, self.entry(i).path)
 
-    def copies(self, i: int) -> list[Copy]:
-        """The copies of shard ``i`` not yet found bad, in ladder order (parity last, rebuilt on
-        demand by :meth:`rebuild`)."""
-        bad = self._bad.get(i, ())
+    def copies(self, i: int, sample: int | None = None) -> list[Copy]:
+        """The copies of shard ``i`` not yet found bad (as a whole, or for ``sample`` when one
+        is given), in ladder order (parity last, rebuilt on demand by :meth:`rebuild`)."""
+        bad = set(self._bad.get(i, ()))
+        if sample is not None:
+            bad.update(p for p, k in self._bad_samples.get(i, ()) if k == sample)
         out = []
         if self.cache is not None:
             cached = self.cache.lookup(i)
@@ -188,8 +198,9 @@ class CopyLadder:
             out.append(Copy("parity", self._rebuilt_path(i)))
         return [c for c in out if c.path not in bad]
 
-    def failed(self, i: int, copy: Copy, exc: BaseException) -> None:
-        """Record that ``copy`` of shard ``i`` is bad; deal with it as the module docstring says.
+    def failed(self, i: int, copy: Copy, exc: BaseException, sample: int | None = None) -> None:
+        """Record that ``copy`` of shard ``i`` is bad (for ``sample`` only, when the fault came
+        from reading that sample); deal with it as the module docstring says.
 
         A staged copy that the stager no longer publishes (it evicted it, or another reader
         found it bad and discarded it, after :meth:`copies` named it here) is not counted
@@ -202,7 +213,10 @@ class CopyLadder:
             return
         self.counters.add(kind)
         self.counters.add("failovers")
-        self._bad.setdefault(i, set()).add(copy.path)
+        if sample is None:
+            self._bad.setdefault(i, set()).add(copy.path)
+        else:
+            self._bad_samples.setdefault(i, set()).add((copy.path, sample))
         self._attempts.setdefault(i, []).append((f"{copy.kind} {copy.path}", kind))
         self._last[i] = exc
         log.warning("shard %s: %s copy failed (%s: %s); trying the next copy",
@@ -214,10 +228,16 @@ class CopyLadder:
     def recovered(self, i: int, copy: Copy) -> None:
         """A read from ``copy`` succeeded after earlier copies failed: restore the original from
         it when quarantine is allowed."""
-        if (self._bad and copy.kind != "original" and self.quarantine
-                and self.original(i) in self._bad.get(i, ())
+        original = self.original(i)
+        if (copy.kind != "original" and self.quarantine and self._is_bad(i, original)
                 and restore_original(self.root, self.entry(i), copy.path, self.counters)):
-            self._bad[i].discard(self.original(i))
+            self._bad.get(i, set()).discard(original)
+            self._bad_samples[i] = {b for b in self._bad_samples.get(i, ()) if b[0] != original}
+
+    def _is_bad(self, i: int, path: str) -> bool:
+        """Whether ``path`` failed as shard ``i``'s copy, as a whole or for any sample."""
+        return (path in self._bad.get(i, ())
+                or any(p == path for p, _k in self._bad_samples.get(i, ())))
 
     def give_up(self, i: int) -> Exception:
         """The error for shard ``i`` once no copy is left; resets the ladder so the next sample
@@ -228,6 +248,7 @@ class CopyLadder:
         attempts = self._attempts.pop(i, [])
         last = self._last.pop(i, None)
         self._bad.pop(i, None)
+        self._bad_samples.pop(i, None)
         if len(attempts) == 1 and isinstance(last, Exception):
             return last
         err = UnrepairableError(self.entry(i).path, attempts)
@@ -275,7 +296,8 @@ class CopyLadder:
         return True
 
     def _bad_originals(self) -> list[int]:
-        return [j for j, paths in self._bad.items() if self.original(j) in paths]
+        shards = set(self._bad) | set(self._bad_samples)
+        return sorted(j for j in shards if self._is_bad(j, self.original(j)))
 
     def _rebuilt_path(self, i: int) -> str:
         return resolve_in(self._rebuilt_base(), self.entry(i).path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 import shardio
+from shardio import Manifest
 from shardio.errors import IndexCorruptError
 from shardio.formats.hdf5 import load_hdf5_index
 from tests.conftest import flip_bit
@@ -51,10 +53,14 @@ def element_offset(path: Path, name: str, row: int) -> int:
 
 
 def drop_digest(path: Path) -> None:
-    """Make ``path`` look like a shard written before ``index_digest`` existed."""
+    """Make ``path`` look like a shard written before ``index_digest`` existed (and its manifest
+    entry like one of that time: no ``index_digest`` for an HDF5 shard)."""
     with h5py.File(path, "r+") as f:
         if "index_digest" in f.attrs:
             del f.attrs["index_digest"]
+    m = Manifest.load(path.parent)
+    shards = [replace(e, index_digest="") if e.path == path.name else e for e in m.shards]
+    replace(m, shards=shards).save(str(path.parent))
 
 
 @pytest.mark.parametrize("name", ARRAYS)

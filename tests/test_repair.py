@@ -89,6 +89,62 @@ def test_no_good_copy_raises_or_skips(data) -> None:
     assert ds.reader.counters.get("skipped_samples") == 1
 
 
+def flip_sample(root: Path, shard: int, sample: int) -> None:
+    """Flip one bit in the middle of the ``jpg`` field of ``sample`` of ``shard``."""
+    with DatasetReader(root) as r:
+        index = r.shard_index(shard)
+    row = next(j for j in index.rows(sample) if index.field_names[int(index.f_name[j])] == "jpg")
+    offset = int(index.f_offset[row]) + int(index.f_length[row]) // 2
+    flip_bits(root / Manifest.load(root).shards[shard].path, offset)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("on_corrupt", ["raise", "skip"])
+def test_samples_bad_in_different_copies_are_all_delivered(data, shuffle: bool,
+                                                           on_corrupt: str) -> None:
+    """Sample 2 of shard 3 is bad in the original, sample 6 in the replica: every sample still
+    has a good copy, so the epoch is whole.  (Before, the original, once bad for sample 2, was
+    not tried again for sample 6: an UnrepairableError, or a skipped sample.)"""
+    root, replica, clean = data
+    reference = epoch(shardio.ShardDataset(replica, seed=5, shuffle=shuffle))
+    flip_sample(root, 3, 2)
+    flip_sample(replica, 3, 6)
+    ds = shardio.ShardDataset(root, seed=5, shuffle=shuffle, replicas=[str(replica)],
+                              on_corrupt=on_corrupt)
+    assert epoch(ds) == reference
+    c = ds.reader.counters.snapshot()
+    assert c["unrepairable"] == 0 and c["skipped_samples"] == 0
+    assert 1 <= c["checksum_mismatch"] <= 2  # the replica's bad sample is met only if read there
+    assert epoch(ds) == reference  # again, with both copies' bad samples known
+
+
+def test_a_replica_of_another_version_is_never_served(image_tree: Path, tmp_path: Path) -> None:
+    """A replica packed from other bytes under the same keys is self-consistent (its fields
+    match its own index's checksums), but its index is not the manifest's: when the original
+    cannot serve, the reader must not deliver that other version."""
+    root, other = tmp_path / "ds", tmp_path / "other"
+    opts = PackOptions(samples_per_shard=9, label_from_dir=True, fsync=False)
+    pack(image_tree, root, opts)
+    changed = tmp_path / "changed"
+    shutil.copytree(image_tree, changed)
+    for f in sorted(changed.rglob("*.jpg")):
+        f.write_bytes(f.read_bytes() + b"v2")  # same keys, same counts, other bytes
+    pack(changed, other, opts)
+    idx = root / (Manifest.load(root).shards[2].path + ".idx")
+    idx.unlink()  # the original cannot serve shard 2: the ladder goes to the replica
+    ds = shardio.ShardDataset(root, shuffle=False, replicas=[str(other)])
+    with pytest.raises(UnrepairableError, match="no good copy left") as err:
+        epoch(ds)
+    assert "index_corrupt" in str(err.value)
+    assert "does not match the manifest" in str(err.value.__cause__)
+    ds = shardio.ShardDataset(root, shuffle=False, replicas=[str(other)], on_corrupt="skip")
+    with DatasetReader(other) as r:
+        theirs = {s["__key__"]: s["jpg"] for s in r}
+    got = epoch(ds)
+    assert all(theirs[key] != jpg for key, jpg in got)  # not one sample of the other version
+    assert ds.reader.counters.get("skipped_samples") == 9
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_lost_shard_is_skipped_and_counted_once_per_sample(data, shuffle: bool) -> None:
     """A shard gone from both copies, under on_corrupt="skip": every order skips exactly its

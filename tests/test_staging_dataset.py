@@ -189,8 +189,8 @@ def test_a_copy_dropped_between_lookup_and_open_is_not_a_fault(
     ladder = ds.reader.ladder
     real = ladder.copies
 
-    def copies_then_evict(i: int):  # type: ignore[no-untyped-def]
-        out = real(i)
+    def copies_then_evict(i: int, sample=None):  # type: ignore[no-untyped-def]
+        out = real(i, sample)
         if i == 1 and out[0].kind == "cache":  # what the stager's drop does, in its order
             nodecache._store_u32(ds.cache._mm, nodecache._OFF_STATE + 4 * i,
                                  int(nodecache.ShardState.REMOTE))

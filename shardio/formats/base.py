@@ -105,6 +105,9 @@ class ShardIndex:
     f_raw_length: np.ndarray
     f_checksum: np.ndarray
     meta: dict[str, Any] = field(default_factory=dict)
+    # What a manifest records as this index's ``index_digest`` (set by the loaders: a tar
+    # ``.idx`` file's digest, an HDF5 shard's ``index_digest`` attribute; "" when unknown).
+    digest: str = field(default="", compare=False)
     _spans: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:

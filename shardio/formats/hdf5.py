@@ -192,9 +192,10 @@ class Hdf5Writer(ShardWriter):
                 f.attrs["field_names"] = np.array(index.field_names, dtype=h5py.string_dtype())
                 meta_text = json.dumps(index.meta, sort_keys=True)
                 f.attrs["shardio_meta"] = meta_text
-                f.attrs["index_digest"] = _index_digest(
+                index_digest = _index_digest(
                     index.checksum, index.field_names, meta_text, index.key_blob, index.arrays()
                 )
+                f.attrs["index_digest"] = index_digest
                 # A view of the payload, not a copy: h5py writes straight from it.
                 view = np.frombuffer(self._buf, dtype=np.uint8, count=self._used)
                 payload = f.create_dataset("payload", data=view, track_times=False)
@@ -224,7 +225,7 @@ class Hdf5Writer(ShardWriter):
         self._recycle()
         return WrittenShard(
             path=self.final, index_path=None, samples=len(index), bytes=size, digest=digest,
-            index_digest="", stored_bytes=index.stored_bytes, raw_bytes=index.raw_bytes,
+            index_digest=index_digest, stored_bytes=index.stored_bytes, raw_bytes=index.raw_bytes,
             fields=self._index.field_counts(),
         )
 
@@ -331,7 +332,8 @@ def load_hdf5_index(path: str) -> ShardIndex:
         )
     arrays["f_offset"] = arrays["f_offset"] + np.uint64(base or 0)
     return ShardIndex(
-        field_names=names, checksum=checksum, key_blob=key_blob, meta=meta, **arrays
+        field_names=names, checksum=checksum, key_blob=key_blob, meta=meta, **arrays,
+        digest="" if stored_digest is None else _text(stored_digest),
     )
 
 

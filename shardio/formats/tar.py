@@ -421,7 +421,8 @@ def _unlink(path: str) -> None:
 
 
 def load_tar_index(path: str) -> ShardIndex:
-    """Read the ``.idx`` beside a tar shard."""
+    """Read the ``.idx`` beside a tar shard (``index.digest``: the file's digest, as
+    :class:`TarWriter` records it in the manifest)."""
     idx_path = path + ".idx"
     try:
         with open(idx_path, "rb") as f:
@@ -432,7 +433,9 @@ def load_tar_index(path: str) -> ShardIndex:
         ) from exc
     except OSError as exc:
         raise translate_oserror(exc, idx_path, "reading index") from exc
-    return ShardIndex.from_bytes(data, idx_path)
+    index = ShardIndex.from_bytes(data, idx_path)
+    index.digest = digest_bytes(data)
+    return index
 
 
 def _members(path: str) -> Iterator[tarfile.TarInfo]:
