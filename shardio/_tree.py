@@ -378,16 +378,60 @@ def _leaf(x: Any, acc: _Acc) -> Any:
 
 
 _NUMBER = (bool, np.bool_, int, np.integer, float, np.floating)
-_KIND: dict[type, str] = {bool: "b", int: "i", float: "f"}
+_INT64, _BOOL = np.dtype(np.int64), np.dtype(np.bool_)
 
 
-def _kind_of(x: Any) -> str | None:
-    """``"b"``, ``"i"`` or ``"f"`` for a bool, integer or float (numpy's too); else None."""
-    if isinstance(x, (bool, np.bool_)):
-        return "b"
-    if isinstance(x, (int, np.integer)):
-        return "i"
-    return "f" if isinstance(x, (float, np.floating)) else None
+class _Tup(NamedTuple):
+    """A column (of strings, bytes or byte fields) inside a sequence: it comes back as a tuple,
+    as ``default_collate`` leaves the ``zip`` of a sequence's column of strings."""
+
+    inner: Any
+
+
+def _default_float() -> np.dtype:
+    """torch's default dtype (what ``torch.tensor`` makes of a Python float), as numpy's."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    name = str(torch.get_default_dtype()).rpartition(".")[2] if torch is not None else "float32"
+    return np.dtype(name if name in ("float16", "float32", "float64") else "float32")
+
+
+def _number_dtype(items: Sequence[Any]) -> np.dtype | None:
+    """The dtype ``default_collate`` gives a column of numbers, None when an item is not one.
+
+    A Python float first (``np.float64`` is one): ``float64``.  Otherwise torch infers it from
+    every item: numpy scalars keep their dtype, a Python float is the default dtype (float32),
+    an int ``int64``, a bool ``bool``; any float makes the column the widest float present,
+    else any integer the widest integer ([1, 2.5] is float32, [np.int16(1), 2] int64)."""
+    if isinstance(items[0], float):
+        ok = all(isinstance(x, _NUMBER) for x in items)
+        return np.dtype(np.float64) if ok else None
+    floats: set[np.dtype] = set()
+    ints: set[np.dtype] = set()
+    for x in items:
+        t = type(x)
+        if t is int:
+            ints.add(_INT64)
+        elif t is bool:
+            continue
+        elif isinstance(x, np.generic):
+            kind = x.dtype.kind
+            if kind == "f":
+                floats.add(x.dtype)
+            elif kind in "iu":
+                ints.add(x.dtype)
+            elif kind != "b":
+                return None
+        elif isinstance(x, float):
+            floats.add(_default_float())
+        elif isinstance(x, int):  # an int subclass (IntEnum, ...)
+            ints.add(_INT64)
+        else:
+            return None
+    if floats:
+        return np.result_type(*floats)
+    return np.result_type(*ints) if ints else _BOOL
 
 
 def plan_tree(tree: Any, area: Area | None = None,
@@ -467,17 +511,19 @@ def _pieces(items: Sequence[np.ndarray | bytes], acc: _Acc) -> _Pieces:
     return _Pieces(a, e, acc.add(where.dtype, where.shape, _copy_from(where), False).index)
 
 
-def _col(items: Sequence[Any], acc: _Acc) -> Any:
+def _col(items: Sequence[Any], acc: _Acc, in_seq: bool = False) -> Any:
+    """The collated column ``items``, as ``default_collate`` makes it; ``in_seq``: a column of
+    a sequence (its strings and bytes come back as a tuple: see :class:`_Tup`)."""
     first = items[0]
     # Fields that are arrays exist only under zero_copy (an area or an is_field test): without
     # one, a column of bytes goes straight on to _Bytes below.
     if (acc.area is not None or acc.is_field is not None) and (
             type(first) is np.ndarray or type(first) is bytes):
         col = _area_column(items, acc)
+        if col is None and _fields(items, acc):
+            col = _pieces(items, acc)
         if col is not None:
-            return col
-        if _fields(items, acc):
-            return _pieces(items, acc)
+            return _Tup(col) if in_seq else col
     if _is_tensor(first) or isinstance(first, np.ndarray):
         # Arrays that are not stacked (mixed with other things, or of different shapes or
         # dtypes) make a list, as default_collate's; each array in it is still written out
@@ -500,12 +546,9 @@ def _col(items: Sequence[Any], acc: _Acc) -> Any:
             return acc.add(a0.dtype, (len(arrs), *a0.shape), _stack_into(arrs), t0)
         return [_leaf(x, acc) for x in items]
     if isinstance(first, _NUMBER):
-        # The column's type comes from every item, not the first: [1, 2.5] is float64 (not
-        # [1, 2]) and [True, 5] int64, as torch's default_collate gives them.
-        kinds = {_KIND.get(type(x)) or _kind_of(x) for x in items}
-        if None in kinds:
+        dtype = _number_dtype(items)
+        if dtype is None:
             return list(items)
-        dtype = np.float64 if "f" in kinds else np.int64 if "i" in kinds else np.bool_
         try:
             arr = np.asarray(items, dtype=dtype)
         except (OverflowError, ValueError, TypeError):
@@ -516,14 +559,18 @@ def _col(items: Sequence[Any], acc: _Acc) -> Any:
         np.cumsum([len(x) for x in items], out=bounds[1:])
         u8 = np.dtype(np.uint8)
         data = acc.add(u8, (int(bounds[-1]),), _put_bytes(items), False)
-        return _Bytes(data.index, acc.add(bounds.dtype, bounds.shape, _copy_from(bounds), False).index)
+        col = _Bytes(data.index,
+                     acc.add(bounds.dtype, bounds.shape, _copy_from(bounds), False).index)
+        return _Tup(col) if in_seq else col
     if isinstance(first, dict):
         return {k: _col([d[k] for d in items], acc) for k in first}
     if isinstance(first, (list, tuple)) and all(len(x) == len(first) for x in items):
-        cols = [_col([x[i] for x in items], acc) for i in range(len(first))]
+        cols = [_col([x[i] for x in items], acc, True) for i in range(len(first))]
         if _is_namedtuple(first):
             return type(first)(*cols)  # as default_collate
-        return tuple(cols) if isinstance(first, tuple) else cols
+        return cols  # a list, for tuples too, as default_collate
+    if in_seq and isinstance(first, str):
+        return tuple(items)
     return list(items)
 
 
@@ -532,9 +579,10 @@ def plan_collate(samples: Sequence[Any], area: Area | None = None,
     """Default collate, like torch's ``default_collate`` but writing into the message.
 
     Per-sample arrays/tensors of one shape and dtype are stacked into one batch tensor (written
-    directly into the message), numbers become a float64 tensor if any item is a float, else
-    int64 if any is an integer, else bool; dicts and sequences are collated field by field,
-    strings and bytes become lists.  Byte fields that are arrays (``zero_copy``: those cut from
+    directly into the message), numbers become a tensor of the dtype ``default_collate`` gives
+    (:func:`_number_dtype`); dicts and sequences are collated field by field (a sequence
+    becomes a list, a named tuple itself), strings and bytes become lists (tuples inside a
+    sequence, as there).  Byte fields that are arrays (``zero_copy``: those cut from
     ``area``, or for which ``is_field`` says so) become a list of such arrays, as a column of
     ``bytes`` does; those lying in ``area`` are referenced where they are, not copied.
     """
@@ -610,6 +658,8 @@ def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
         return t
     if isinstance(x, _Pieces):
         return _build_pieces(x, buf, table, how)
+    if isinstance(x, _Tup):
+        return tuple(_build(x.inner, buf, table, to_tensor, how))
     if isinstance(x, _Bytes):
         off, nbytes = table[x.data]
         boff, bbytes = table[x.bounds]

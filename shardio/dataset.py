@@ -110,6 +110,10 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self._delivered = 0
         self._iterated_here = False
         self._finished = False  # this process iterated the epoch to its end
+        self._run_cursor = 0  # the cursor that iteration started from
+        # Bumped whenever the position changes from outside an iteration (set_epoch to another
+        # epoch, load_state_dict): a ShardLoader's own count of batches is then stale.
+        self._position_gen = 0
 
     @property
     def epoch(self) -> int:
@@ -143,9 +147,12 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             return _detect_topology()
         return self._topology
 
-    def _plan(self) -> RankPlan:
+    def _plan(self, cursor: int | None = None) -> RankPlan:
+        """This rank's plan for the rest of the epoch from ``cursor`` (default: the resume
+        point)."""
         topo = self.topology
-        return RankPlan(self.num_samples - self._cursor, topo.world_size, topo.rank,
+        cursor = self._cursor if cursor is None else cursor
+        return RankPlan(self.num_samples - cursor, topo.world_size, topo.rank,
                         self.options.batch_size, self.options.remainder)
 
     def __len__(self) -> int:
@@ -164,6 +171,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             self._cursor = 0
             self._delivered = 0
             self._finished = False
+            self._position_gen += 1
         self.epoch = int(epoch)
         self._start_staging(self.epoch)
 
@@ -217,6 +225,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             self._iterated_here = True
             self._delivered = 0
             self._finished = False
+            self._run_cursor = cursor
         self._start_staging(self.epoch)
         self.reader.prefer_cache()
         steps = plan.worker_steps(worker, workers)
@@ -370,6 +379,12 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 batches = self._delivered // self.options.batch_size
         if batches is None:
             cursor = self.num_samples
+        elif self._finished:
+            # The epoch ended here and the resume point went back to its start (a replay):
+            # ``batches`` counts from where that iteration began.  (DataLoader's num_workers=0
+            # runs the iterator to its end while it collates a partial last batch, before the
+            # loop sees that batch.)
+            cursor = self._run_cursor + self._plan(self._run_cursor).consumed(int(batches))
         else:
             cursor = self._cursor + self._plan().consumed(int(batches))
         return {
@@ -389,8 +404,19 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         Raises:
             UsageError: the state belongs to another dataset or order (seed, shuffle settings).
         """
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise UsageError(f"not a ShardDataset state (version {state.get('version')!r})")
+        if not isinstance(state, dict):
+            raise UsageError(
+                f"load_state_dict takes the dict state_dict() returned, got "
+                f"{type(state).__name__}" + (" (json.loads it first)"
+                                             if isinstance(state, (str, bytes)) else ""))
+        if state.get("version") != STATE_VERSION:
+            raise UsageError(f"not a ShardDataset state (version {state.get('version')!r}, "
+                             f"this shardio reads {STATE_VERSION})")
+        missing = [k for k in ("epoch", "cursor", "num_samples", "seed", "shuffle",
+                               "shuffle_block") if k not in state]
+        if missing:
+            raise UsageError(f"the state lacks {', '.join(missing)}: pass the whole dict "
+                             "state_dict() returned")
         if state["num_samples"] != self.num_samples:
             raise UsageError(
                 f"state is for a dataset of {state['num_samples']} samples, this one has "
@@ -419,6 +445,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self._cursor = int(state["cursor"])
         self._delivered = 0
         self._finished = False
+        self._position_gen += 1
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -461,6 +461,8 @@ class ShardLoader:
         self._leased: deque[tuple[int, Any, Any, list[Any]]] = deque()
         self._handouts = 0
         self._finished = False
+        # The dataset's position generation the two counts above refer to (see state_dict).
+        self._gen = dataset._position_gen
 
     # --- sizes and epochs --------------------------------------------------------------------
     def _plan(self) -> RankPlan:
@@ -480,11 +482,7 @@ class ShardLoader:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration follows (forwards to the dataset, which checks
         it)."""
-        changed = epoch != self.dataset.epoch
-        self.dataset.set_epoch(epoch)
-        if changed:
-            self._delivered = 0
-            self._finished = False
+        self.dataset.set_epoch(epoch)  # (a new epoch makes this loader's count stale)
 
     # --- iteration ---------------------------------------------------------------------------
     def _ensure_pool(self) -> WorkerPool:
@@ -797,6 +795,7 @@ class ShardLoader:
         """An iteration starts (with workers or without): counters, stats, staging."""
         self._delivered = 0
         self._finished = False
+        self._gen = self.dataset._position_gen
         self._stats.begin_epoch()
         self.dataset._start_staging(self.dataset.epoch, self.batch_size)
 
@@ -804,7 +803,9 @@ class ShardLoader:
         """An iteration delivered its whole epoch: the next one starts the epoch over."""
         self._stats.epoch_end()
         self._finished = True
-        self.dataset._cursor = 0
+        ds = self.dataset
+        ds._run_cursor, ds._finished = ds._cursor, True  # what ds.state_dict(batches=) counts from
+        ds._cursor = 0
 
     def _preempt_stop(self) -> bool:
         """Save the position; True when the iteration must end (``stop=True``)."""
@@ -818,7 +819,11 @@ class ShardLoader:
     def state_dict(self) -> dict[str, Any]:
         """Resume point after the batches handed out so far (prefetched ones do not count)."""
         ds = self.dataset
-        if self._finished:
+        if self._gen != ds._position_gen:
+            # The dataset's position was set since this loader counted (ds.set_epoch to
+            # another epoch, ds.load_state_dict): nothing of it was handed out yet.
+            cursor = ds._cursor
+        elif self._finished:
             cursor = ds.num_samples
         else:
             # This loader's batch size, not the dataset's ReadOptions.batch_size: the batches
@@ -836,6 +841,7 @@ class ShardLoader:
             self.seed = int(state["worker_seed"])
         self._delivered = 0
         self._finished = False
+        self._gen = self.dataset._position_gen
 
     def stats(self) -> dict[str, Any]:
         """Data-wait vs compute per step, per-stage worker times, copies, restarts; ``repair``:

@@ -480,6 +480,27 @@ def test_state_dict_counted_automatically_without_workers(tiny: Path) -> None:
     assert flat(before) + flat(part) + flat(load_batches(third, 3, 2)) == order
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_checkpoint_in_the_loop_of_a_resumed_epoch(tiny: Path, workers: int) -> None:
+    """The README's loop, ``state_dict(batches=step + 1)`` after every step, in an epoch that was
+    itself resumed: the checkpoint after the last step resumes nothing.  (With num_workers=0,
+    DataLoader runs the iterator to its end while collating the partial last batch, before the
+    loop sees it; the epoch's end put the resume point back to 0, and the last checkpoint
+    counted from there: it replayed most of the epoch.)"""
+    probe = shardio.ShardDataset(tiny, batch_size=8)
+    load_batches(probe, 8, 0, max_batches=20)
+    ds = shardio.ShardDataset(tiny, batch_size=8)
+    ds.load_state_dict(probe.state_dict())  # resumed at 160 of 301
+    states = []
+    for step, _batch in enumerate(DataLoader(ds, batch_size=8, num_workers=workers,
+                                             collate_fn=collate_keys)):
+        states.append(ds.state_dict(batches=step + 1))
+    assert [s["cursor"] for s in states] == [min(160 + 8 * k, N) for k in range(1, 19)]
+    again = shardio.ShardDataset(tiny, batch_size=8)
+    again.load_state_dict(states[-1])
+    assert len(again) == 0 and flat(load_batches(again, 8, 0)) == []
+
+
 @pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
 def test_state_dict_after_a_complete_epoch_resumes_nothing(tiny: Path, resumed: bool) -> None:
     """After the whole epoch was delivered, "the rest" is empty: a job resumed from that
@@ -535,6 +556,14 @@ def test_load_state_dict_rejects_another_order_or_dataset(tiny: Path, few: Path)
         shardio.ShardDataset(few, seed=1).load_state_dict(state)
     with pytest.raises(UsageError):
         shardio.ShardDataset(tiny, seed=1).load_state_dict({"version": 99})
+    # A state that is not the dict (the JSON text, None) or lacks a key: typed, naming the fix.
+    with pytest.raises(UsageError, match=r"json.loads"):
+        shardio.ShardDataset(tiny, seed=1).load_state_dict(json.dumps(state))
+    with pytest.raises(UsageError, match="NoneType"):
+        shardio.ShardDataset(tiny, seed=1).load_state_dict(None)
+    with pytest.raises(UsageError, match="lacks cursor"):
+        shardio.ShardDataset(tiny, seed=1).load_state_dict(
+            {k: v for k, v in state.items() if k != "cursor"})
 
 
 def test_set_epoch_changes_the_order(tiny: Path) -> None:

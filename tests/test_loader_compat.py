@@ -431,3 +431,23 @@ def test_no_workers_raises_the_transform_error_itself_and_resumes(
     expected = epoch_keys(text, seed=3)
     assert [k for b in head for k in b] == expected[:24]
     assert [k for b in rest for k in b["__key__"]] == expected[24:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_after_the_datasets_set_epoch(text: Path, workers: int,
+                                            make_loader: Callable[..., ShardLoader]) -> None:
+    """A DataLoader loop calls ``ds.set_epoch(epoch)``; with only the loader line changed, a
+    checkpoint between that call and the first batch (or a preemption signal there) is the
+    start of the new epoch, not the end of the last (which resumed to an empty epoch)."""
+    ds = ShardDataset(text, batch_size=4)
+    loader = make_loader(ds, 4, num_workers=workers)
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        state = loader.state_dict()
+        assert (state["epoch"], state["cursor"]) == (epoch, 0)
+        assert sum(1 for _ in loader) == len(loader)
+    ds.load_state_dict(state)  # the dataset's own position moves: the loader counts from it
+    assert loader.state_dict()["cursor"] == 0
+    again = make_loader(ShardDataset(text, batch_size=4), 4, num_workers=workers)
+    again.load_state_dict(state)
+    assert sum(1 for _ in again) == len(loader)

@@ -91,20 +91,45 @@ def test_tensors_of_two_dtypes_of_one_width_are_not_stacked_as_one() -> None:
     assert isinstance(out["x"], list) and [t.dtype for t in out["x"]] == [t.dtype for t in items]
 
 
-def test_number_columns_take_their_type_from_every_item() -> None:
-    """A column's dtype comes from all its items (it came from the first: [1, 2.5] became
-    [1, 2] and [True, 5] [True, True], silently)."""
-    cols = {"mixed": [1, 2.5, np.int32(3)], "bool_int": [True, 5, False], "bools": [True, False],
-            "ints": [np.int16(4), 7, True], "floats": [0.5, np.float32(1.5), 2],
-            "huge": [1, 2**70], "other": [1, "x"]}
-    out = roundtrip(plan_collate([{k: v[i] for k, v in cols.items()} for i in range(2)]))
-    assert out["mixed"].dtype == torch.float64 and out["mixed"].tolist() == [1.0, 2.5]
-    assert out["bool_int"].dtype == torch.int64 and out["bool_int"].tolist() == [1, 5]
-    assert out["bools"].dtype == torch.bool and out["bools"].tolist() == [True, False]
-    assert out["ints"].dtype == torch.int64 and out["ints"].tolist() == [4, 7]
-    assert out["floats"].dtype == torch.float64 and out["floats"].tolist() == [0.5, 1.5]
-    assert out["huge"] == [1, 2**70]  # beyond int64: kept as Python ints
-    assert out["other"] == [1, "x"]
+def test_number_columns_take_default_collates_dtype() -> None:
+    """A column's dtype is the one torch's ``default_collate`` gives it (it came from the first
+    item: [1, 2.5] became [1, 2] and [True, 5] [True, True], silently; then float64 for every
+    float column and int64 for every integer one, where torch keeps ``np.float32`` scalars
+    float32 and makes [1, 2.5] float32)."""
+    from torch.utils.data import default_collate
+
+    cols = {"mixed": [1, 2.5, np.int32(3)], "float_first": [2.5, 1], "bool_int": [True, 5],
+            "bools": [True, False], "np_bools": [np.bool_(True), np.bool_(False)],
+            "ints": [np.int16(4), 7], "int16": [np.int16(4), np.int16(-2)],
+            "uint8": [np.uint8(1), np.uint8(200)], "f32": [np.float32(1.5), np.float32(2)],
+            "f16_f32": [np.float16(1), np.float32(2.5)], "int_f32": [3, np.float32(0.5)],
+            "np_int_float": [np.int64(3), 2.5], "f64": [np.float64(0.5), np.float32(1)],
+            "i16_f32": [np.int16(3), np.float32(0.5)], "int_bool": [2, False]}
+    samples = [{k: v[i] for k, v in cols.items()} for i in range(2)]
+    out, theirs = roundtrip(plan_collate(samples)), default_collate(samples)
+    for k in cols:
+        assert out[k].dtype == theirs[k].dtype, k
+        assert out[k].tolist() == theirs[k].tolist(), k
+    # Where default_collate gives up, the column stays a list.
+    odd = roundtrip(plan_collate([{"huge": 1, "other": 1}, {"huge": 2**70, "other": "x"}]))
+    assert odd == {"huge": [1, 2**70], "other": [1, "x"]}
+
+
+def test_sequences_collate_as_default_collate_does() -> None:
+    """A tuple sample makes a list (``batch[0] = ...`` works), a named tuple itself, and a
+    column of strings or bytes inside a sequence a tuple, as with torch's ``default_collate``;
+    at the top and inside a dict, a list."""
+    from torch.utils.data import default_collate
+
+    samples = [(f"k{i}", i, [f"s{i}", b"b" * i], {"name": f"n{i}", "raw": b"r" * i})
+               for i in range(3)]
+    out, theirs = roundtrip(plan_collate(samples)), default_collate(samples)
+    assert type(out) is list and type(theirs) is list
+    assert out[0] == theirs[0] == ("k0", "k1", "k2")
+    assert out[1].tolist() == theirs[1].tolist()
+    assert type(out[2]) is list and out[2] == theirs[2]
+    assert out[3] == theirs[3] and type(out[3]["name"]) is list
+    assert roundtrip(plan_collate(["a", "b"])) == default_collate(["a", "b"]) == ["a", "b"]
 
 
 def _written(plan):  # type: ignore[no-untyped-def]
