@@ -142,6 +142,26 @@ def _no_class_dir(key: str) -> SourceError:
                        "label it; move it into SRC/<class>/ or pass --on-error skip")
 
 
+def _case_clash(key: str, fl: list[_File], label: bool) -> DuplicateKeyError | None:
+    """The error for two fields of sample ``key`` whose names differ only by case (with
+    ``label``, also a field named like the label field in another case), or None: WebDataset
+    lowercases field names, and refuses a sample that then has one twice."""
+    seen = {LABEL_FIELD: LABEL_FIELD} if label else {}
+    for f in fl:
+        name = f[0]
+        low = name.lower()
+        other = seen.get(low)
+        if other is not None and other != name:
+            what = (f"a {name!r} file, which WebDataset reads as the {LABEL_FIELD!r} field that "
+                    "--label-from-dir adds" if other == LABEL_FIELD and label and
+                    low == LABEL_FIELD else f"fields {other!r} and {name!r}, which differ only "
+                    "by case: WebDataset lowercases field names and refuses the tar")
+            return DuplicateKeyError(f"sample {key!r} has {what}; rename one of its files ({f[1]})"
+                                     " or pass --on-error skip")
+        seen[low] = name
+    return None
+
+
 def _has_label_file(key: str) -> DuplicateKeyError:
     return DuplicateKeyError(f"sample {key!r} already has a {LABEL_FIELD!r} file, which "
                              "--label-from-dir would overwrite; drop one of them")
@@ -540,6 +560,11 @@ class Walk:
                                        ids[name] if top else cls)
                 continue
             key = prefix + place
+            if len(fl) > 1 or self.label_from_dir:
+                clash = _case_clash(key, fl, self.label_from_dir)
+                if clash is not None:
+                    problem("duplicate_key", clash)
+                    continue
             if not self.label_from_dir:
                 self.samples += 1
                 yield Sample(key, fl)
@@ -728,6 +753,11 @@ def scan_source(
         else:
             fl = [have[f] for f in sorted(have)]
             has_label_file = LABEL_FIELD in have
+        if len(fl) > 1 or label_from_dir:
+            clash = _case_clash(key, fl, label_from_dir and not has_label_file)
+            if clash is not None:
+                problem("duplicate_key", clash)
+                continue
         if not label_from_dir:
             append(Sample(key, fl))
             continue

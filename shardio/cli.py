@@ -139,6 +139,8 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     ix.add_argument("--root", default=None, help="dataset directory (default: common directory)")
     ix.add_argument("--workers", type=int, default=1)
     ix.add_argument("--checksum", default="xxh3_64")
+    ix.add_argument("--overwrite", action="store_true",
+                    help="replace a manifest already there (a packed or indexed dataset)")
     return p
 
 
@@ -171,7 +173,9 @@ def _cmd_pack(a: argparse.Namespace) -> int:
         print(json.dumps(st, sort_keys=True))
         return 0
     small, shards = st["metadata_ops_small_files"], st["metadata_ops_shards"]
-    print(f"packed {st['files_in']} files ({st['samples']} samples, {_human(st['raw_bytes'])}) "
+    skipped = sum(st["skipped"].values())
+    scanned = f"{st['files_in']} files" + (f", {skipped} skipped" if skipped else "")
+    print(f"packed {st['samples']} samples ({_human(st['raw_bytes'])}; {scanned}) "
           f"into {st['shards']} {m.shard_format} shards ({_human(st['shard_bytes'])}) in "
           f"{dt:.2f}s: {st['files_per_s']:.0f} files/s, {st['mb_per_s']:.1f} MB/s")
     print(f"compression ratio {st['compression_ratio']:.2f}x; metadata operations per epoch "
@@ -376,7 +380,8 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 def _cmd_index(a: argparse.Namespace) -> int:
     from .indexer import index_tars
 
-    m = index_tars(a.tars, root=a.root, checksum=a.checksum, workers=max(1, a.workers))
+    m = index_tars(a.tars, root=a.root, checksum=a.checksum, workers=max(1, a.workers),
+                   overwrite=a.overwrite)
     print(f"indexed {len(m.shards)} tar(s), {m.num_samples} samples; fields: "
           + ", ".join(sorted(m.fields)))
     return 0

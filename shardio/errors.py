@@ -13,6 +13,7 @@ involved and say what to change.
     ├── SourceError                              a problem with the input tree (pack, index)
     │   ├── EmptySourceError
     │   ├── UnreadableFileError (OSError)
+    │   │   └── FileChangedError                 a file grew between the scan and its copy
     │   ├── BrokenSymlinkError (OSError)
     │   ├── SymlinkLoopError (OSError)
     │   ├── NonUtf8NameError (UnicodeError)
@@ -97,6 +98,7 @@ __all__ = [
     "StorageFullError",
     "SymlinkLoopError",
     "UnreadableFileError",
+    "FileChangedError",
     "UnrepairableError",
     "UnsafePathError",
     "UsageError",
@@ -132,6 +134,10 @@ class EmptySourceError(SourceError):
 
 class UnreadableFileError(SourceError, OSError):
     """A source file could not be opened or read."""
+
+
+class FileChangedError(UnreadableFileError):
+    """A source file grew between the scan and its copy (it is still being written)."""
 
 
 class BrokenSymlinkError(SourceError, OSError):

@@ -15,9 +15,9 @@ from typing import Any
 from . import __version__
 from ._fsutil import atomic_write_bytes
 from .checksum import DEFAULT_DIGEST, DEFAULT_SAMPLE, digest_bytes, file_digest
-from .errors import UsageError
+from .errors import OutputNotEmptyError, UsageError
 from .formats.tar import index_tar
-from .manifest import Manifest, ShardEntry
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 
 __all__ = ["index_tars"]
 
@@ -42,6 +42,7 @@ def index_tars(
     root: str | os.PathLike[str] | None = None,
     checksum: str = DEFAULT_SAMPLE,
     workers: int = 1,
+    overwrite: bool = False,
 ) -> Manifest:
     """Index existing tar shards in place and publish a manifest for them.
 
@@ -51,8 +52,11 @@ def index_tars(
             must lie inside it.
         checksum: per-sample checksum algorithm to record.
         workers: processes indexing tars in parallel.
+        overwrite: replace the manifest already in ``root`` (and the tars' ``.idx`` files).
 
     Raises:
+        OutputNotEmptyError: ``root`` already has a manifest (a packed or indexed dataset),
+            without ``overwrite``.
         UsageError: no tars, duplicates, or a tar outside ``root``.
         NotATarError: a file is not an uncompressed tar.
     """
@@ -75,6 +79,15 @@ def index_tars(
                 "below their directory: pass --root with a directory containing every tar"
             )
         rels.append(rel.replace(os.sep, "/"))
+    for d in sorted({base, *(os.path.dirname(p) for p in paths)}):
+        existing = os.path.join(d, MANIFEST_NAME)
+        if os.path.exists(existing) and not overwrite:
+            # Indexing a shard of a packed dataset would replace its manifest (labels, parity,
+            # every other shard) with one listing the given tars, and its .idx files.
+            raise OutputNotEmptyError(
+                f"{existing} exists: {d} is already a dataset, whose manifest and indexes "
+                "indexing would replace; to check or repair it use `shardio verify` or "
+                "`shardio repair`, to index these tars anew anyway pass --overwrite")
     jobs = [(p, r, checksum) for p, r in zip(paths, rels)]
     if workers <= 1 or len(jobs) <= 1:
         results = [_index_one(*j) for j in jobs]

@@ -48,6 +48,7 @@ process pack, so the manifest is byte for byte the same; it then removes the par
 from __future__ import annotations
 
 import gc
+import errno
 import os
 import queue
 import sys
@@ -71,6 +72,7 @@ from .codec import Codec, train_dictionary
 from .config import PackOptions, parse_parity
 from .errors import (
     EmptySourceError,
+    FileChangedError,
     ShardioError,
     UnreadableFileError,
     UsageError,
@@ -158,16 +160,16 @@ def _read_file(path: str, size: int = 0) -> bytes:
         fd = os.open(path, _O_READ)
         try:
             # One read when the size from the scan still holds; a short read of a regular file
-            # is EOF, and a file that grew since the scan is read to its end.  So is a file over
-            # the kernel's cap on one read (~2 GiB): before, it was packed cut at the cap.
+            # is EOF (it shrank: packed as it is now).  A file over the kernel's cap on one read
+            # (~2 GiB) is read on: before, it was packed cut at the cap.
             data = os.read(fd, size + 1)
             if len(data) > size or len(data) >= BIG_READ:
                 rest, got = [data], len(data)
-                while chunk := os.read(fd, max(1 << 20, min(size + 1 - got, BIG_READ))):
+                while got <= size and (chunk := os.read(fd, max(1 << 20, min(size + 1 - got,
+                                                                               BIG_READ)))):
                     rest.append(chunk)
                     got += len(chunk)
                 data = b"".join(rest)
-            return data
         finally:
             os.close(fd)
     except OSError as exc:
@@ -175,6 +177,14 @@ def _read_file(path: str, size: int = 0) -> bytes:
             exc.errno, f"cannot read {path}: {exc.strerror}; fix its permissions or pass "
             "--on-error skip to leave it out"
         ) from exc
+    if len(data) > size:
+        # Still being written (a copy in progress, a log): what would be packed is a moment of
+        # it, and the shard would outgrow the size the plan gave it.
+        raise FileChangedError(
+            errno.EBUSY, f"{path} grew from {size} bytes since the scan: it is being written; "
+            "rerun the pack when it is complete (--resume keeps the finished shards), or pass "
+            "--on-error skip to leave it out")
+    return data
 
 
 def _read_sample(s: Sample) -> list[tuple[str, bytes]]:
@@ -385,10 +395,10 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
                             if len(data) > size or len(data) >= BIG_READ:
                                 data = _read_file(path, size)
                         fields.append((name, data))
-            except UnreadableFileError:
+            except UnreadableFileError as exc:
                 if on_error == "raise":
                     raise
-                skipped["unreadable"] += 1
+                skipped["changed" if isinstance(exc, FileChangedError) else "unreadable"] += 1
                 continue
             label = s.label
             if label is not None:

@@ -29,8 +29,11 @@ byte by byte (output byte i depends only on byte i of each input), so any stripe
 what any other stripe size encoded; ``chunk`` only bounds memory.
 
 What can be rebuilt: the shard files themselves (for HDF5 that includes the in-file index).  The
-``.idx`` beside a tar shard is not covered: after rebuilding a tar shard whose index is also lost,
-recreate the index with ``shardio index``.  A shard is usable as a source only when its size and
+``.idx`` beside a tar shard is not covered: a rebuilt tar shard whose index is also lost gets one
+read from the rebuilt (verified) shard itself (``shardio.repair._ensure_index``), which a reader
+accepts for that rebuilt copy; its digest differs from the manifest's (the packer's index also
+records the pack job), so ``shardio verify`` still reports the original's index until a good copy
+of it is restored.  A shard is usable as a source only when its size and
 whole-file digest match the manifest; a parity file only when its digest matches.  With more than
 M blocks of a group lost, :func:`rebuild_shard` raises :class:`~shardio.errors.ParityError`.
 """

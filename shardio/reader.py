@@ -27,7 +27,7 @@ from .errors import (
 from .formats import ShardIndex, ShardReader, index_loader
 from .lustre import detect_fs, get_layout, read_block_size, spread_by_ost
 from .manifest import Manifest
-from .repair import FAULTS, Copy, CopyLadder
+from .repair import FAULTS, Copy, CopyLadder, rebuilt_index_matches
 
 try:  # batch reads of single samples (shardio/_sampleio.c); ShardReader.get is the reference
     from ._sampleio import read_many as _read_many
@@ -227,9 +227,12 @@ class DatasetReader:
         if index is None:
             self.counters.add("opens")
             index = self._load_index(path)
-            if entry.index_digest and index.digest != entry.index_digest:
+            if (entry.index_digest and index.digest != entry.index_digest
+                    and not rebuilt_index_matches(index.meta, entry)):
                 # Self-consistent, but not the index the dataset was packed with: a replica or
                 # copy of another version of the shard (its fields would pass their checksums).
+                # (Save one read from a verified copy of the shard after a parity rebuild: see
+                # repair._ensure_index.)
                 raise IndexCorruptError(
                     f"the index of {path} does not match the manifest (index_digest "
                     f"{entry.index_digest}, found {index.digest or 'none'}): this copy is damaged "

@@ -343,11 +343,47 @@ def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:
             continue
     from .formats.tar import index_tar
 
-    index, _ = index_tar(shard_path, ladder.manifest.checksum)
+    # The shard was verified against its manifest digest: an index read from it, as shardio
+    # wrote it, says where its samples are (the packer's own index records the pack job too,
+    # so this one's digest differs from the manifest's: see DatasetReader._open_copy).
+    index, _ = index_tar(shard_path, ladder.manifest.checksum, webdataset=False)
+    index.meta.update(shard_bytes=entry.bytes, shard_digest=entry.digest, rebuilt=True)
     tmp = tmp_name(dest)
     with open(tmp, "wb") as f:
         f.write(index.to_bytes())
     os.replace(tmp, dest)
+
+
+def rebuilt_index_matches(meta: dict[str, Any], entry: ShardEntry) -> bool:
+    """Whether an index (its ``meta``) whose digest is not the manifest's was read from a copy of
+    the shard that matched the manifest, by :func:`_ensure_index`: it then says where that
+    shard's samples are as well as the packer's own (whose digest also covers the pack job)."""
+    return (bool(meta.get("rebuilt")) and meta.get("shard_digest") == entry.digest
+            and meta.get("shard_bytes") == entry.bytes)
+
+
+def index_file_ok(path: str, entry: ShardEntry) -> bool:
+    """Whether the ``.idx`` at ``path`` is one shard ``entry`` may use: the manifest's (its
+    digest), or one rebuilt from a verified copy of the shard (:func:`rebuilt_index_matches`)."""
+    if _matches(path, entry.index_digest or None, None):
+        return True
+    from .formats.base import ShardIndex
+
+    try:
+        with open(path, "rb") as f:
+            index = ShardIndex.from_bytes(f.read(), path)
+    except (OSError, ShardioError):
+        return False
+    return rebuilt_index_matches(index.meta, entry) and len(index) == entry.samples
+
+
+def _copy_index(src: str, dest: str, entry: ShardEntry) -> bool:
+    """Publish a copy of the index ``src`` at ``dest`` when :func:`index_file_ok` accepts it."""
+    if not index_file_ok(src, entry):
+        return False
+    digest = entry.index_digest or None
+    _copy_verified(src, dest, digest if _matches(src, digest, None) else None)
+    return True
 
 
 def _copy_verified(src: str, dest: str, digest: str | None) -> None:
@@ -400,8 +436,8 @@ def restore_original(root: str, entry: ShardEntry, good: str,
         _copy_verified(good, original, entry.digest)
         if entry.index is not None:
             idx = resolve_in(root, entry.index)
-            if not _matches(idx, entry.index_digest or None, None) and os.path.exists(good + ".idx"):
-                _copy_verified(good + ".idx", idx, entry.index_digest or None)
+            if not index_file_ok(idx, entry) and os.path.exists(good + ".idx"):
+                _copy_index(good + ".idx", idx, entry)
         if counters is not None:
             counters.add("originals_restored")
         log.warning("shard %s: bad original quarantined and restored from %s", entry.path, good)
@@ -454,8 +490,7 @@ def repair_dataset(root: str, *, replicas: Iterable[str] = (), use_parity: bool 
     for i in todo:
         entry = manifest.shards[i]
         report.checked += 1
-        idx_ok = entry.index is None or _matches(resolve_in(root, entry.index),
-                                                 entry.index_digest or None, None)
+        idx_ok = entry.index is None or index_file_ok(resolve_in(root, entry.index), entry)
         if _matches(ladder.original(i), entry.digest, entry.bytes) and idx_ok:
             continue
         report.damaged.append(entry.path)

@@ -697,8 +697,13 @@ class Stager:
 
     @staticmethod
     def _write_pid(fd: int) -> None:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        """Record this process in the lock file, for :meth:`holder`'s message only: a cache
+        filesystem too full for these few bytes still stages (the budget shrinks and warns)."""
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            log.debug("node cache: cannot record the stager's pid in its lock file: %s", exc)
 
     def join(self, timeout: float | None = None) -> int | None:
         """Wait for the stager process this object started; its exit status (negative: killed

@@ -321,7 +321,7 @@ def test_cli_pack_does_not_load_torch(tmp_path: Path) -> None:
             "assert rc == 0, rc\n"
             "assert main(['verify', sys.argv[2], '--workers', '1']) == 0\n" + _HEAVY)
     proc = _run_python(code, str(tmp_path / "src"), str(tmp_path / "out"))
-    assert "packed 10 files" in proc.stdout
+    assert "packed 5 samples (80 B; 10 files)" in proc.stdout
     assert _loaded(proc) == []  # neither torch nor h5py for a tar pack
 
 

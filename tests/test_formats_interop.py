@@ -171,6 +171,78 @@ def test_index_makes_gnu_tar_archives_readable(tar_format: str, mixed_tree: Path
     assert cli("verify", ds, "--workers", "1")[:2] == (0, "")
 
 
+def _tar_of(path: Path, members: list[tuple[str, bytes]]) -> None:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+def test_index_groups_members_as_webdataset_does(cli: CLI, tmp_path: Path) -> None:
+    """Odd names: an upper-case extension (WebDataset lowercases it), ``__x__`` names (skipped),
+    a name whose basename starts with a dot (key ``d/``, as ``pack --files-from`` writes it),
+    several dots, a name without an extension (skipped)."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    tar = ds / "odd.tar"
+    _tar_of(tar, [("a.JPG", b"1"), ("a.Cls", b"2"), ("__meta__", b"m"), ("__dir__/f.txt", b"3"),
+                  ("d/.h.txt", b"4"), ("b.x.y.tar.gz", b"5"), ("noext", b"6"), ("c.txt", b"7")])
+    rc, _out, err = cli("index", tar)
+    assert rc == 0, err
+    reference = webdataset_samples([str(tar)])
+    assert [k for k, _f in reference] == ["a", "d/", "b", "c"]
+    assert read_all(ds) == reference
+
+
+@pytest.mark.parametrize("case", ["duplicate", "sparse"])
+def test_index_refuses_what_it_cannot_read_right(case: str, cli: CLI, tmp_path: Path) -> None:
+    """A sample with a field twice (WebDataset raises too; shardio kept the second and lost the
+    first) and a GNU sparse member (shardio read its stored bytes as if whole: the next
+    members' headers and data) are typed errors; nothing is published."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    tar = ds / "x.tar"
+    if case == "duplicate":
+        _tar_of(tar, [("a.jpg", b"1"), ("a.jpg", b"2"), ("b.jpg", b"3")])
+        with pytest.raises(ValueError, match="duplicate"):
+            webdataset_samples([str(tar)])
+    else:
+        src = tmp_path / "src"
+        src.mkdir()
+        with open(src / "a.bin", "wb") as f:  # a hole of 1 MiB, then data
+            f.seek(1 << 20)
+            f.write(b"tail" * 100)
+        (src / "b.bin").write_bytes(b"next")
+        subprocess.run(["tar", "-S", "--format=gnu", "-cf", str(tar), "-C", str(src), "a.bin",
+                        "b.bin"], check=True, timeout=30)
+    rc, _out, err = cli("index", tar)
+    assert rc == 1
+    assert ("DuplicateKeyError" in err and "twice" in err) if case == "duplicate" else (
+        "NotATarError" in err and "sparse" in err)
+    assert sorted(p.name for p in ds.iterdir()) == ["x.tar"]
+
+
+def test_index_does_not_replace_a_datasets_manifest(text_tree: Path, cli: CLI,
+                                                    tmp_path: Path) -> None:
+    """``shardio index`` on a shard of a packed dataset replaced its manifest with a one-shard
+    one (labels, parity and every other shard gone) and its index with another."""
+    out = tmp_path / "ds"
+    pack_into(text_tree, out, "tar", samples_per_shard=4)
+    before = sha256_files([str(p) for p in sorted(out.iterdir()) if p.is_file()])
+    first = sorted(str(p) for p in out.glob("*.tar"))[0]
+    rc, _out, err = cli("index", first)
+    assert rc == 2 and "OutputNotEmptyError" not in err and "--overwrite" in err
+    assert sha256_files(list(before)) == before
+    assert cli("verify", out, "--workers", "1")[0] == 0
+    rc, _out, err = cli("index", first, "--overwrite")
+    assert rc == 0, err
+    assert len(shardio.Manifest.load(str(out)).shards) == 1
+
+
 # --- hdf5 --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("compress", [None, "zstd"])
 def test_h5py_reads_payload_through_documented_layout(compress: str | None, mixed_tree: Path,

@@ -155,7 +155,7 @@ def test_pack_verify_inspect(cli: Cli, image_tree: Path, tmp_path: Path) -> None
     m = Manifest.load(str(out))
     assert (m.num_samples, len(m.shards)) == (60, 4)
     # The summary states files, shards, compression ratio and the metadata-operation saving.
-    assert "packed 60 files (60 samples" in stdout
+    assert "packed 60 samples (" in stdout and "; 60 files)" in stdout
     assert "into 4 tar shards" in stdout
     assert re.search(r"compression ratio 1\.00x", stdout), stdout
     small, shards = m.stats["metadata_ops_small_files"], m.stats["metadata_ops_shards"]
@@ -359,7 +359,7 @@ def test_progress_quiet_without_terminal(image_tree: Path, tmp_path: Path) -> No
     proc = run_shardio("pack", image_tree, out, "--samples-per-shard", 10)
     assert proc.returncode == 0
     assert proc.stderr == ""  # stderr is a pipe: no progress bar, no carriage returns
-    assert proc.stdout.startswith("packed 60 files")
+    assert proc.stdout.startswith("packed 60 samples")
     # The bar does exist and goes to stderr when asked for, so the silence above is meaningful.
     proc = run_shardio("pack", image_tree, tmp_path / "ds2", "--samples-per-shard", 10,
                        "--progress")
@@ -778,6 +778,31 @@ def test_duplicate_field_from_label(tmp_path: Path) -> None:
     (src / "a" / "s0.cls").write_text("7")  # --label-from-dir would overwrite it
     expect_error(src, tmp_path / "out", DuplicateKeyError, ["'a/s0'", "cls"], label_from_dir=True)
     expect_skip(src, tmp_path / "skip", "duplicate_key", 5, label_from_dir=True)
+
+
+@pytest.mark.parametrize("files_from", [False, True])
+def test_fields_that_differ_only_by_case(tmp_path: Path, files_from: bool) -> None:
+    """WebDataset lowercases field names and refuses a sample that then has one twice: such a
+    sample is a DuplicateKeyError (it was packed, and the tar unreadable by WebDataset)."""
+    src = small_tree(tmp_path / "src")
+    (src / "a" / "s1.TXT").write_text("upper")
+    (src / "a" / "s2.CLS").write_text("7")  # read by WebDataset as the label field
+    lst = tmp_path / "list.txt"
+
+    def listed() -> Path:  # the list of what is in the tree now
+        lst.write_text("".join(f"{p.relative_to(src)}\n" for p in sorted(src.rglob("*.*"))))
+        return lst
+
+    kw = {"files_from": listed()} if files_from else {}
+    expect_error(src, tmp_path / "out", DuplicateKeyError, ["'a/s1'", "'TXT'", "'txt'",
+                                                           "differ only by case"], **kw)
+    expect_error(src, tmp_path / "out2", DuplicateKeyError, ["'a/s1'", "differ only by case"],
+                 label_from_dir=True, **kw)
+    (src / "a" / "s1.TXT").unlink()
+    kw = {"files_from": listed()} if files_from else {}
+    expect_error(src, tmp_path / "out3", DuplicateKeyError, ["'a/s2'", "'CLS'", "label"],
+                 label_from_dir=True, **kw)
+    expect_skip(src, tmp_path / "skip", "duplicate_key", 5, label_from_dir=True, **kw)
 
 
 @pytest.mark.parametrize("where", ["file", "dir"])

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 import shardio
+from shardio.errors import FileChangedError
 import shardio.formats.tar as tar_format
 from shardio import packer, packplan, packstate
 from shardio._scan import scan_source
@@ -145,11 +146,19 @@ def test_file_that_grew_after_the_scan(tmp_path: Path, monkeypatch: pytest.Monke
         with open(path, "ab") as f:
             f.write(b"more" * 5000)
 
+    # A file still being written: packing a moment of it would be wrong, and the shard would
+    # outgrow its planned size (it was packed whole, silently).  A typed error, or a skip.
     _before_write(monkeypatch, grown, grow)
     out = tmp_path / "out"
-    shardio.pack(src, out, samples_per_shard=8)
+    with pytest.raises(FileChangedError, match=r"f00007.bin grew from .* --on-error skip"):
+        shardio.pack(src, out, samples_per_shard=8)
     assert grown.stat().st_size == before + 20000
-    assert read_back(out)["d0/f00007"]["bin"] == grown.read_bytes()
+    assert not (out / "manifest.json").exists()
+    grown.write_bytes(grown.read_bytes()[:before])
+    _before_write(monkeypatch, grown, grow)
+    m = shardio.pack(src, tmp_path / "skip", samples_per_shard=8, on_error="skip")
+    assert m.stats["skipped"] == {"changed": 1} and m.num_samples == 19
+    assert "d0/f00007" not in read_back(tmp_path / "skip")
 
 
 # --- forked workers ------------------------------------------------------------------------

@@ -234,6 +234,31 @@ def test_parity_rebuilds_a_lost_shard_while_reading(image_tree: Path, tmp_path: 
     assert c["parity_rebuilt"] == 2 and c["missing"] == 1 and c["checksum_mismatch"] == 1
 
 
+def test_parity_serves_and_repairs_a_shard_lost_with_its_index(image_tree: Path, cli,
+                                                               tmp_path: Path) -> None:
+    """Parity covers the shard files, not the ``.idx`` beside a tar: a shard lost together with
+    its index gets one read from the rebuilt (verified) shard.  Its digest is not the
+    manifest's (the packer's index also records the pack job), yet it must serve reads, let
+    ``verify --repair`` finish the repair (it restored the tar, left no index and said "pack
+    with --parity"), and verify clean."""
+    pytest.importorskip("zfec")
+    root = tmp_path / "ds"
+    pack(image_tree, root, PackOptions(samples_per_shard=9, fsync=False, parity="3+1"))
+    with DatasetReader(root) as r:
+        clean = [(s["__key__"], s["jpg"]) for s in r]
+    for name in ("shard-000004.tar", "shard-000004.tar.idx"):
+        os.unlink(root / name)
+    assert epoch(shardio.ShardDataset(root, shuffle=False)) == clean
+    rc, out, err = cli("verify", root, "--repair")
+    assert rc == 0, out + err
+    assert "repaired shard-000004.tar from parity" in out
+    assert verify_dataset(str(root)) == []
+    assert epoch(shardio.ShardDataset(root, shuffle=False)) == clean
+    # A copied-in index of another shard is still refused: the check is not switched off.
+    os.replace(root / "shard-000003.tar.idx", root / "shard-000004.tar.idx")
+    assert any("index" in p.what for p in verify_dataset(str(root)))
+
+
 def _text_tree(src: Path, version: str) -> None:
     for i in range(24):
         d = src / f"c{i % 3}"

@@ -10,6 +10,7 @@ lives beside the shard as ``<shard>.idx`` (see :mod:`shardio.formats.base`), so 
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -19,6 +20,7 @@ from .._fsutil import pread_full, tmp_name, translate_oserror
 from ..checksum import digest_bytes, new_digest, sample_checksum_fn
 from ..codec import FLAG_ZSTD, Codec
 from ..errors import (
+    DuplicateKeyError,
     NonUtf8NameError,
     NotATarError,
     ShardIOError,
@@ -171,13 +173,18 @@ def release_buffers() -> None:
     _SPARE_BUFFERS.clear()
 
 
+# WebDataset's base_plus_ext: the key is the name up to the first dot of a stretch without one
+# (``d/.h.txt`` is key ``d/``, field ``h.txt``), the field the rest of the last path component.
+_MEMBER = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+# Members WebDataset skips: a top-level ``__x__``, and anything under a ``__x__`` prefix.
+_META = re.compile(r"__[^/]*__($|/)")
+
+
 def split_member_name(name: str) -> tuple[str, str] | None:
-    """WebDataset's rule: key = directory + basename up to its first dot; field = the rest."""
-    d, base = os.path.split(name)
-    if "." not in base or base.startswith("."):
-        return None
-    stem, ext = base.split(".", 1)
-    return (f"{d}/{stem}" if d else stem), ext
+    """``(key, field)`` of a tar member as WebDataset splits it; None for a name it skips
+    (no extension)."""
+    m = _MEMBER.match(name)
+    return None if m is None else (m.group(1), m.group(2))
 
 
 class TarWriter(ShardWriter):
@@ -468,11 +475,15 @@ def _utf8_name(path: str, name: str) -> None:
         ) from None
 
 
-def index_tar(path: str, checksum: str) -> tuple[ShardIndex, dict[str, int]]:
+def index_tar(path: str, checksum: str, webdataset: bool = True
+              ) -> tuple[ShardIndex, dict[str, int]]:
     """Build the index of an existing tar (e.g. written by webdataset) without rewriting it.
 
     Members are grouped into samples the way WebDataset groups them: consecutive members with the
-    same key.  Members without an extension and non-files are skipped (WebDataset skips them too).
+    same key (:func:`split_member_name`), fields lowercased; members without an extension,
+    non-files and ``__x__`` names are skipped, as WebDataset skips them.  ``webdataset=False``
+    reads a tar that shardio packed as it wrote it instead: field names as they are, nothing
+    skipped (a shard's index rebuilt from the shard itself).
 
     Returns:
         The index and per-field member counts.
@@ -480,6 +491,7 @@ def index_tar(path: str, checksum: str) -> tuple[ShardIndex, dict[str, int]]:
     Raises:
         NotATarError: not an uncompressed tar.
         NonUtf8NameError: a member name is not valid UTF-8.
+        DuplicateKeyError: a sample has the same field twice (WebDataset refuses the tar too).
         ShardTruncatedError: a member ends past the end of the file.
     """
     check = sample_checksum_fn(checksum)
@@ -491,17 +503,36 @@ def index_tar(path: str, checksum: str) -> tuple[ShardIndex, dict[str, int]]:
     except OSError as exc:
         raise translate_oserror(exc, path, "opening") from exc
     try:
+        fields: set[str] = set()
         for m in _members(path):
             if not m.isreg():
                 continue
-            parts = split_member_name(m.name)
+            name = m.name
+            if webdataset and (_META.match(name) or (
+                    "/" not in name and name.startswith("__") and name.endswith("__"))):
+                continue
+            parts = split_member_name(name)
             if parts is None:
                 continue
-            _utf8_name(path, m.name)
+            _utf8_name(path, name)
             key, field = parts
+            if webdataset:
+                field = field.lower()
+            if m.issparse():
+                raise NotATarError(
+                    f"{path}: member {name} is a GNU sparse file, whose bytes are not stored "
+                    "whole at one offset: shardio cannot read it by offset; recreate the tar "
+                    "without --sparse (or repack the files with `shardio pack`)")
             if key != last_key:
                 builder.add_sample(key)
                 last_key = key
+                fields.clear()
+            if field in fields:
+                raise DuplicateKeyError(
+                    f"{path}: sample {key!r} has field {field!r} twice (member {name}); "
+                    "WebDataset refuses such a tar too (duplicate file name): rewrite it "
+                    "without the duplicate member")
+            fields.add(field)
             data = pread_full(fd, m.size, m.offset_data)
             if len(data) < m.size:
                 raise ShardTruncatedError(f"{path}: member {m.name} is truncated")
