@@ -8,6 +8,9 @@ digest is ``xxh3_128`` over the whole file, kept as hex in the manifest.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import zlib
 from collections.abc import Callable
 from typing import Protocol
@@ -87,12 +90,21 @@ def file_digest(path: str, name: str = DEFAULT_DIGEST, block: int = 8 << 20) -> 
     """Stream a file through the digest; return ``(hexdigest, bytes_read)``.
 
     Raises OSError from the read unchanged; callers translate it with the shard path at hand.
+    Something other than a regular file (a FIFO, whose open would wait for a writer for ever;
+    a device) is an OSError too (``EINVAL``).
     """
     h = new_digest(name)
     total = 0
     buf = bytearray(block)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb", buffering=0) as f:
         while True:
             n = f.readinto(buf)
             if not n:

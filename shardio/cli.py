@@ -231,7 +231,10 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if not os.path.isdir(a.dataset):
         print(f"shardio verify: {a.dataset} is not a directory", file=sys.stderr)
         return 2
-    problems = verify_dataset(a.dataset, workers=max(1, a.workers))
+    if a.workers < 1:
+        print(f"shardio verify: --workers must be >= 1, got {a.workers}", file=sys.stderr)
+        return 2
+    problems = verify_dataset(a.dataset, workers=a.workers)
     for p in problems:
         print(p)
     if problems and a.repair:
@@ -259,8 +262,10 @@ def _damaged_shards(root: str, problems: list) -> tuple[list[int], list]:
         by_path[e.path] = i
         if e.index:
             by_path[e.index] = i
+    # The zstd dictionary: repair_dataset restores it from a replica whenever it is bad.
+    dictionary = (m.compression or {}).get("dictionary")
     return (sorted({by_path[p.path] for p in problems if p.path in by_path}),
-            [p for p in problems if p.path not in by_path])
+            [p for p in problems if p.path not in by_path and p.path != dictionary])
 
 
 def _repair(root: str, replicas: list[str], parity: bool, as_json: bool,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -314,6 +315,12 @@ class ReadOptions:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, parse_size(value) if value != 0 else 0)
+        for name in ("seed", "batch_size", "shuffle_block", "max_open_shards"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise UsageError(f"{name} must be an integer, got {value!r}")
+        if not 0 <= self.seed < 1 << 63:
+            raise UsageError(f"seed must be an integer in [0, 2**63), got {self.seed}")
         if self.batch_size < 1:
             raise UsageError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.remainder not in ("pad", "drop"):

@@ -105,7 +105,9 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self._node_order: tuple[int, int, int] | None = None
         # Epoch and resume cursor live in a tiny shared array so that DataLoader workers kept
         # alive across epochs (persistent_workers=True) see set_epoch()/load_state_dict().
-        self._shared = multiprocessing.RawArray("q", 2)
+        # A third slot counts iterations in DataLoader workers (see state_dict).
+        self._shared = multiprocessing.RawArray("q", 3)
+        self._worker_iters_seen = 0
         self._topology = topology
         self._delivered = 0
         self._iterated_here = False
@@ -165,8 +167,9 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         Raises:
             UsageError: ``epoch`` is not an integer >= 0.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise UsageError(f"epoch must be an integer >= 0, got {epoch!r}")
+        if (isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer))
+                or not 0 <= epoch < 1 << 63):
+            raise UsageError(f"epoch must be an integer in [0, 2**63), got {epoch!r}")
         if epoch != self.epoch:
             self._cursor = 0
             self._delivered = 0
@@ -226,6 +229,9 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             self._delivered = 0
             self._finished = False
             self._run_cursor = cursor
+            self._worker_iters_seen = int(self._shared[2])
+        else:
+            self._shared[2] += 1  # this process cannot see what a worker delivers
         self._start_staging(self.epoch)
         self.reader.prefer_cache()
         steps = plan.worker_steps(worker, workers)
@@ -364,7 +370,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             UsageError: ``batches`` is needed but missing.
         """
         if batches is None:
-            if not self._iterated_here:
+            if not self._iterated_here or self._shared[2] != self._worker_iters_seen:
                 raise UsageError(
                     "this ShardDataset was not iterated in this process (DataLoader workers "
                     "iterate it, or nothing was iterated yet), so it cannot see what was "
@@ -457,13 +463,13 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         if get_spawning_popen() is None:
             # Plain pickling (not handing the dataset to a new worker process): a shared array
             # cannot travel, so its values do.
-            state["_shared"] = (self.epoch, self._cursor)
+            state["_shared"] = tuple(self._shared)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         shared = state["_shared"]
         if isinstance(shared, tuple):
-            state["_shared"] = multiprocessing.RawArray("q", shared)
+            state["_shared"] = multiprocessing.RawArray("q", (*shared, 0, 0, 0)[:3])
         self.__dict__.update(state)
         self.cache = self._node_cache()
         self.reader.ladder.cache = self.cache

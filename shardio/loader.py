@@ -410,8 +410,9 @@ class ShardLoader:
         _check_dataloader_args(dataset, batch_size, shuffle, sampler, batch_sampler, timeout,
                                worker_init_fn, multiprocessing_context, generator,
                                persistent_workers, pin_memory_device, in_order)
-        if batch_size < 1:  # (None: _check_dataloader_args)
-            raise UsageError(f"batch_size must be >= 1, got {batch_size!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or (
+                batch_size < 1):  # (None: _check_dataloader_args)
+            raise UsageError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise UsageError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         if prefetch_factor is not None:
@@ -758,6 +759,10 @@ class ShardLoader:
         self._iterating = token = object()
         try:
             for step in range(self._num_steps(self._plan())):
+                if self._iterating is not token:
+                    raise UsageError(
+                        "this iterator was superseded by a newer iter(loader) (each one "
+                        "restarts the epoch from the loader's position): iterate one at a time")
                 if self._preempt_pending and self._preempt_stop():
                     return
                 started = self._stats.begin_wait()

@@ -154,6 +154,7 @@ class Manifest:
             )
         try:
             _check_types(data, where)
+            _check_totals(data, where)
             checksum = data["checksum"]
             return cls(
                 shard_format=str(data["shard_format"]),
@@ -272,6 +273,22 @@ def _canonical_json(body: dict[str, Any]) -> bytes:
     """The bytes of ``manifest.json`` holding ``body``, exactly as :meth:`Manifest.save` writes
     them (``shardio verify`` compares the file with them to catch a cut that keeps valid JSON)."""
     return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+
+def _check_totals(data: dict[str, Any], where: str) -> None:
+    """A manifest whose shard list cannot be right (edited, its digest recomputed): every shard
+    once, no negative count.  (``num_samples`` not their sum is a problem ``verify`` reports.)"""
+    shards = data["shards"]
+    paths = [s["path"] for s in shards]
+    if len(set(paths)) != len(paths):
+        twice = sorted({p for p in paths if paths.count(p) > 1})
+        raise ManifestCorruptError(f"{where} lists shard {twice[0]} more than once; restore it "
+                                   "or repack")
+    if any(s["samples"] < 0 or s["bytes"] < 0 for s in shards) or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 0
+            for v in data["fields"].values()):
+        raise ManifestCorruptError(f"{where} has a negative or non-integer count; restore it "
+                                   "or repack")
 
 
 def _body_digest(body: dict[str, Any]) -> str:

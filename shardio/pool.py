@@ -1012,6 +1012,9 @@ class WorkerPool:
                             "(a lock another thread held at the fork; see shardio.pool, "
                             "'Stuck start')"))
                     elif deadline is not None and time.monotonic() >= deadline:
+                        # It hangs: stopped now, so that closing the pool does not wait
+                        # join_timeout for it first (the error came that much late).
+                        w.proc.kill()
                         raise WorkerTimeoutError(
                             f"worker {w.index} (pid {w.proc.pid}) did not deliver step {want} "
                             f"within {timeout:g} s: a transform or collate_fn that hangs or "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -29,6 +30,8 @@ from .lustre import detect_fs, get_layout, read_block_size, spread_by_ost
 from .manifest import Manifest
 from .repair import FAULTS, Copy, CopyLadder, rebuilt_index_matches
 
+log = logging.getLogger("shardio.reader")
+
 try:  # batch reads of single samples (shardio/_sampleio.c); ShardReader.get is the reference
     from ._sampleio import read_many as _read_many
 except ImportError:  # pragma: no cover - the C extension is optional
@@ -37,29 +40,47 @@ except ImportError:  # pragma: no cover - the C extension is optional
 __all__ = ["DatasetReader", "open_dataset"]
 
 
-def load_codec(root: str, manifest: Manifest) -> Codec:
-    """The codec a dataset was packed with, its zstd dictionary loaded and checked.
+def load_dictionary(root: str, manifest: Manifest, replicas: Sequence[str] = ()) -> bytes | None:
+    """The dataset's zstd dictionary (None without one): the first copy, the dataset's own
+    then each replica's, that matches the manifest's digest.
 
     Raises:
-        ManifestCorruptError: the dictionary file is missing or does not match its digest.
+        ManifestCorruptError: no copy of the dictionary file matches (missing or damaged).
+    """
+    comp = manifest.compression or {}
+    if not comp.get("dictionary"):
+        return None
+    why = []
+    for base in (root, *replicas):
+        path = resolve_in(base, comp["dictionary"])
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            why.append(f"{path}: {exc.strerror or exc}")
+            continue
+        if digest_bytes(data) == comp.get("dictionary_digest"):
+            if base != root:
+                log.warning("zstd dictionary of %s: using the replica's copy %s (%s)", root,
+                            path, "; ".join(why))
+            return data
+        why.append(f"{path}: does not match the manifest's digest")
+    raise ManifestCorruptError(
+        f"no good copy of the zstd dictionary named by the manifest ({'; '.join(why)}); restore "
+        "it from a copy of the dataset (`shardio repair DATASET --replica DIR`) or repack")
+
+
+def load_codec(root: str, manifest: Manifest, replicas: Sequence[str] = ()) -> Codec:
+    """The codec a dataset was packed with, its zstd dictionary loaded and checked
+    (:func:`load_dictionary`).
+
+    Raises:
+        ManifestCorruptError: no copy of the dictionary file matches the manifest's digest.
     """
     comp = manifest.compression
     if not comp:
         return Codec()
-    dictionary = None
-    if comp.get("dictionary"):
-        path = resolve_in(root, comp["dictionary"])
-        try:
-            with open(path, "rb") as f:
-                dictionary = f.read()
-        except FileNotFoundError as exc:
-            raise ManifestCorruptError(
-                f"zstd dictionary {path} named by the manifest is missing; restore it or repack"
-            ) from exc
-        if digest_bytes(dictionary) != comp.get("dictionary_digest"):
-            raise ManifestCorruptError(
-                f"zstd dictionary {path} does not match the manifest's digest; restore it or repack"
-            )
+    dictionary = load_dictionary(root, manifest, replicas)
     return Codec(comp.get("codec"), int(comp.get("level", 3)), dictionary)
 
 
@@ -91,7 +112,7 @@ class DatasetReader:
         self.max_open_shards = max_open_shards
         self.manifest = Manifest.load(self.root)
         self.verify = verify
-        self.codec = load_codec(self.root, self.manifest)
+        self.codec = load_codec(self.root, self.manifest, tuple(os.fspath(r) for r in replicas))
         self._load_index = index_loader(self.manifest.shard_format)
         counts = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(counts)])

@@ -486,6 +486,7 @@ def repair_dataset(root: str, *, replicas: Iterable[str] = (), use_parity: bool 
     replicas = tuple(os.fspath(r) for r in replicas)
     ladder = CopyLadder(root, manifest, replicas=replicas, quarantine=True)
     report = RepairReport(damaged=[], repaired=[], unrepaired=[])
+    _repair_dictionary(root, manifest, tuple(replicas), report)
     todo = range(len(manifest.shards)) if damaged is None else sorted(set(damaged))
     for i in todo:
         entry = manifest.shards[i]
@@ -500,6 +501,31 @@ def repair_dataset(root: str, *, replicas: Iterable[str] = (), use_parity: bool 
         else:
             report.repaired.append((entry.path, source))
     return report
+
+
+def _repair_dictionary(root: str, manifest: Manifest, replicas: Sequence[str],
+                       report: RepairReport) -> None:
+    """Restore the dataset's zstd dictionary from the first replica whose copy matches the
+    manifest, when the dataset's own is missing or damaged."""
+    comp = manifest.compression or {}
+    rel = comp.get("dictionary")
+    if not rel:
+        return
+    dest = resolve_in(root, rel)
+    if _matches(dest, comp.get("dictionary_digest"), None):
+        return
+    report.damaged.append(rel)
+    for r in replicas:
+        src = resolve_in(r, rel)
+        if _matches(src, comp.get("dictionary_digest"), None):
+            try:
+                _copy_verified(src, dest, comp.get("dictionary_digest"))
+            except OSError as exc:
+                log.warning("cannot restore %s from %s: %s", dest, src, exc)
+                continue
+            report.repaired.append((rel, f"replica {r}"))
+            return
+    report.unrepaired.append(rel)
 
 
 def _repair_one(ladder: CopyLadder, i: int, replicas: Sequence[str], use_parity: bool) -> str | None:

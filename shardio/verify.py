@@ -200,6 +200,10 @@ def _manifest_problems(root: str) -> tuple[Manifest | None, list[Problem]]:
         manifest = Manifest.load(root, strict=False)
     except ShardioError as exc:
         return None, problems + [Problem(MANIFEST_NAME, f"unusable manifest: {exc}")]
+    if isinstance(data, dict) and data.get("num_samples") != manifest.num_samples:
+        problems.append(Problem(MANIFEST_NAME, "num_samples is not the sum of the shards' samples",
+                                expected=str(manifest.num_samples),
+                                found=repr(data.get("num_samples"))))
     comp = manifest.compression or {}
     if comp.get("dictionary"):
         dpath = resolve_in(root, comp["dictionary"])

@@ -538,12 +538,29 @@ def test_state_dict_after_taking_every_sample_without_exhausting(tiny: Path) -> 
     assert ds2.state_dict()["cursor"] == 8
 
 
-def test_state_dict_needs_batches_when_iterated_in_workers(tiny: Path) -> None:
+@pytest.mark.parametrize("peek", [False, True])
+def test_state_dict_needs_batches_when_iterated_in_workers(tiny: Path, peek: bool) -> None:
+    """Also after a look at one sample in this process first: that iteration is not the one
+    the workers delivered (state_dict() counted the peek, and said cursor 0)."""
     ds = shardio.ShardDataset(tiny, batch_size=8)
+    if peek:
+        next(iter(ds))
     load_batches(ds, 8, 2, max_batches=2)
     with pytest.raises(UsageError, match=r"state_dict\(batches="):
         ds.state_dict()
     assert ds.state_dict(batches=2)["cursor"] == 16
+
+
+def test_bad_numbers_are_usage_errors(tiny: Path) -> None:
+    for kwargs in ({"seed": None}, {"seed": -1}, {"batch_size": 2.5}, {"batch_size": "8"},
+                   {"shuffle_block": None}):
+        with pytest.raises(UsageError):
+            shardio.ShardDataset(tiny, **kwargs)
+    ds = shardio.ShardDataset(tiny)
+    with pytest.raises(UsageError, match="2\\*\\*63"):
+        ds.set_epoch(2**64)  # (wrapped round to epoch 0 in the shared int64)
+    ds.set_epoch(2**63 - 1)
+    assert ds.epoch == 2**63 - 1
 
 
 def test_load_state_dict_rejects_another_order_or_dataset(tiny: Path, few: Path) -> None:

@@ -451,3 +451,22 @@ def test_state_after_the_datasets_set_epoch(text: Path, workers: int,
     again = make_loader(ShardDataset(text, batch_size=4), 4, num_workers=workers)
     again.load_state_dict(state)
     assert sum(1 for _ in again) == len(loader)
+
+
+def test_superseded_iterator_without_workers(text: Path,
+                                             make_loader: Callable[..., ShardLoader]) -> None:
+    """With num_workers=0 as with workers, a newer iter(loader) makes the older one raise (it
+    went on producing, and state_dict() counted both iterators' batches)."""
+    loader = make_loader(ShardDataset(text, batch_size=4), 4, num_workers=0)
+    first = iter(loader)
+    for _ in range(3):
+        next(first)
+    second = iter(loader)
+    next(second)
+    next(second)
+    with pytest.raises(UsageError, match="superseded"):
+        next(first)
+    assert loader.state_dict()["cursor"] == 8
+    for batch_size in (2.5, "8", True):
+        with pytest.raises(UsageError, match="batch_size"):
+            ShardLoader(ShardDataset(text, batch_size=4), batch_size, num_workers=0)

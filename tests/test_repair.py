@@ -16,7 +16,12 @@ import pytest
 
 import shardio
 from shardio import Manifest, PackOptions, pack
-from shardio.errors import ChecksumMismatchError, ShardNotFoundError, UnrepairableError
+from shardio.errors import (
+    ChecksumMismatchError,
+    ManifestCorruptError,
+    ShardNotFoundError,
+    UnrepairableError,
+)
 from shardio.reader import DatasetReader
 from shardio.verify import verify_dataset
 from tests.conftest import run_with_eio
@@ -257,6 +262,31 @@ def test_parity_serves_and_repairs_a_shard_lost_with_its_index(image_tree: Path,
     # A copied-in index of another shard is still refused: the check is not switched off.
     os.replace(root / "shard-000003.tar.idx", root / "shard-000004.tar.idx")
     assert any("index" in p.what for p in verify_dataset(str(root)))
+
+
+def test_a_damaged_zstd_dictionary_is_read_from_a_replica_and_repaired(tmp_path: Path,
+                                                                      cli) -> None:
+    """The dictionary is a file of the dataset like a shard: a damaged one is read from a
+    replica (the dataset was unreadable: ManifestCorruptError) and restored by `repair`
+    (which said "0 damaged")."""
+    src = tmp_path / "src"
+    _text_tree(src, "v1")
+    root, replica = tmp_path / "ds", tmp_path / "replica"
+    pack(src, root, PackOptions(samples_per_shard=6, compress="zstd", zstd_dict=True,
+                                fsync=False))
+    shutil.copytree(root, replica)
+    with DatasetReader(root) as r:
+        clean = [(s["__key__"], s["txt"]) for s in r]
+    rel = Manifest.load(root).compression["dictionary"]
+    flip_bits(root / rel, offset=(root / rel).stat().st_size // 2)
+    with pytest.raises(ManifestCorruptError, match="zstd dictionary.*--replica"):
+        DatasetReader(root)
+    with DatasetReader(root, replicas=[str(replica)]) as r:
+        assert [(s["__key__"], s["txt"]) for s in r] == clean
+    rc, out, err = cli("repair", root, "--replica", replica)
+    assert rc == 0, out + err
+    assert f"repaired {rel} from replica" in out
+    assert verify_dataset(str(root)) == []
 
 
 def _text_tree(src: Path, version: str) -> None:

@@ -329,3 +329,41 @@ def test_isolated_load_reports_the_childs_index_error(h5_ds: Path) -> None:
     assert isinstance(why, str) and "index_digest mismatch" in why
     with pytest.raises(IndexCorruptError, match="index_digest mismatch"):
         shardio.formats.load_index("hdf5", str(shard))
+
+
+# --- defect: a FIFO where a shard should be hung verify; --workers 0 was accepted ---------------
+def test_a_fifo_in_place_of_a_shard_is_a_problem_not_a_hang(cli: CLI, small_tree: Path,
+                                                            tmp_path: Path) -> None:
+    out = tmp_path / "ds"
+    shardio.pack(small_tree, out, samples_per_shard=2, fsync=False, progress=False)
+    shard = out / "shard-000001.tar"
+    shard.unlink()
+    os.mkfifo(shard)
+    proc = verify_subprocess(out, timeout=60)  # opening the FIFO waited for a writer for ever
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.splitlines() == ["shard-000001.tar: read error (not a regular file)"]
+    for workers in ("0", "-1"):
+        rc, _out, err = cli("verify", out, "--workers", workers)
+        assert rc == 2 and "--workers must be >= 1" in err
+
+
+@pytest.mark.parametrize("edit", ["num_samples", "num_samples_string", "shard_twice"])
+def test_manifest_totals_that_contradict_its_shards(edit: str, cli: CLI, small_tree: Path,
+                                                    tmp_path: Path) -> None:
+    """Edited and its digest recomputed, a manifest whose num_samples is not the sum of its
+    shards' (a problem line), or that lists a shard twice (unusable), passed verify."""
+    ds = tmp_path / "ds"
+    pack_into(small_tree, ds, "tar", samples_per_shard=2)
+    change = {"num_samples": lambda d: d.update(num_samples=999),
+              "num_samples_string": lambda d: d.update(num_samples="6"),
+              "shard_twice": lambda d: d["shards"].append(dict(d["shards"][0]))}[edit]
+    rewrite_manifest(ds, change, redigest=True)
+    rc, lines = run_verify(cli, ds)
+    assert rc == 1 and len(lines) == 1, lines
+    if edit == "shard_twice":
+        assert "unusable manifest" in lines[0] and "more than once" in lines[0]
+        with pytest.raises(ManifestCorruptError):
+            shardio.Manifest.load(ds)
+    else:
+        assert lines[0].startswith("manifest.json: num_samples is not the sum") and (
+            "expected=6" in lines[0])
