@@ -317,10 +317,19 @@ def _cmd_stage(a: argparse.Namespace) -> int:
     from .topology import Topology
 
     epochs = _epochs(a.epochs)
+    if not 0 <= a.seed < 1 << 63:
+        raise UsageError(f"--seed {a.seed}: the training job's seed, an integer in [0, 2**63)")
+    # A prolog step (srun --ntasks-per-node=1) is one process per node: the node count and this
+    # node's index come from it (or Slurm's node variables); the training job's world is that
+    # many nodes of --ranks-per-node ranks.  (The prolog's own world, one rank per node, is not.)
     env = Topology.from_env()
-    world = a.world_size if a.world_size is not None else env.world_size
+    nodes = _env_int("SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    if nodes is None:
+        nodes = max(1, env.world_size // env.local_world_size)
     local = a.ranks_per_node if a.ranks_per_node is not None else env.local_world_size
-    node = a.node if a.node is not None else env.node
+    world = a.world_size if a.world_size is not None else nodes * local
+    slurm_node = _env_int("SLURM_NODEID")
+    node = a.node if a.node is not None else slurm_node if slurm_node is not None else env.node
     if world < 1 or not 1 <= local <= world:
         raise UsageError(f"--world-size {world} with --ranks-per-node {local}: need "
                          "1 <= ranks per node <= world size")
@@ -360,6 +369,16 @@ def _cmd_stage(a: argparse.Namespace) -> int:
           f"{dt:.1f}s; {present} shard(s) of epochs {epochs.start}..{epochs.stop - 1} now in "
           f"{cache.data_dir}; {c.get('verify_failures', 0)} verify failure(s)")
     return 1 if c.get("verify_failures") else 0
+
+
+def _env_int(*names: str) -> int | None:
+    """The first of the environment variables ``names`` that holds an integer."""
+    for name in names:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return None
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:

@@ -444,14 +444,21 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         if o.order == "node":
             # The same global order as before, whatever this job's size: locality is kept when
             # the topology matches C, correctness always.
-            self._node_order = (int(theirs_order["canonical_nodes"]),
-                                int(theirs_order["slice_size"]),
-                                int(theirs_order["canonical_ranks"]))
+            params = (int(theirs_order["canonical_nodes"]), int(theirs_order["slice_size"]),
+                      int(theirs_order["canonical_ranks"]))
+            if self._stager is not None and params != self._node_order:
+                # Started before (set_epoch first), it plans with the order it forked with:
+                # the next _start_staging forks one that follows this one.
+                self._stager.stop(2.0)
+                self._stager = None
+            self._node_order = params
         self.epoch = int(state["epoch"])
         self._cursor = int(state["cursor"])
         self._delivered = 0
         self._finished = False
         self._position_gen += 1
+        if self.cache is not None and self._stager is None and o.order == "node":
+            self._start_staging(self.epoch)  # (the one stopped above, following this order)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

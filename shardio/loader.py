@@ -489,16 +489,20 @@ class ShardLoader:
     def _ensure_pool(self) -> WorkerPool:
         if self._pool is None:
             o = self.options
+            # The pool calls back into this loader through weak methods: bound ones would make
+            # a cycle (loader -> pool -> loader), and a loader dropped without close() would
+            # keep its workers and rings until a cyclic GC pass (never, under gc.disable()).
             pool = WorkerPool(
                 _Job(self.dataset, self.collate_fn, self.worker_init_fn),
                 PoolOptions(num_workers=self.num_workers,
-                            ring_bytes=self._ring_size if o.ring_bytes == "auto" else o.ring_bytes,
+                            ring_bytes=(_weakly(self._ring_size, AUTO_RING_MIN)
+                                        if o.ring_bytes == "auto" else o.ring_bytes),
                             shm_dir=o.shm_dir, cpus=self._cpus(), poll_interval=o.poll_interval,
                             max_restarts=o.max_restarts, start_timeout=o.start_timeout,
                             timeout=self.timeout),
             )
             pool.start()  # closes itself if it fails: keep no half-started pool around
-            pool.make_room = self._make_room
+            pool.make_room = _weakly(self._make_room, False)
             self._pool = pool
         return self._pool
 
@@ -858,11 +862,14 @@ class ShardLoader:
 
     def close(self) -> None:
         """Stop the workers and release shared memory (also done at garbage collection)."""
-        if self._pool is not None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            # Let go of the pool first: a close interrupted by Ctrl-C leaves this loader with
+            # no half-closed pool (the next iteration starts a new one), and the pool finishes
+            # its own close when it is collected (or closed again).
             self._released.clear()
             self._leased.clear()
-            self._pool.close()
-            self._pool = None
+            pool.close()
 
     def __enter__(self) -> ShardLoader:
         return self
@@ -918,6 +925,18 @@ def _check_dataloader_args(dataset: ShardDataset, batch_size: int | None, shuffl
                          "CUDA only; pass '' or 'cuda'")
     if not isinstance(in_order, bool):
         raise UsageError(f"in_order must be True or False, got {in_order!r}")
+
+
+def _weakly(method: Callable[..., Any], gone: Any) -> Callable[..., Any]:
+    """``method`` (a bound method) called through a weak reference to its object; ``gone``
+    once the object is collected."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        live = ref()
+        return gone if live is None else live(*args)
+
+    return call
 
 
 def _pin(tree: Any) -> Any:

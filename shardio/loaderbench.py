@@ -105,8 +105,11 @@ def run_loader_bench(path: str, *, workers: Sequence[int] = (1, 2, 4), batch_siz
     from .errors import UsageError
     from .manifest import Manifest
 
-    if steps < 1 or batch_size < 1 or step_time < 0 or not workers or min(workers) < 1:
-        raise UsageError("need --steps >= 1, --batch-size >= 1, --step-time >= 0, --workers >= 1")
+    if (steps < 1 or batch_size < 1 or not 0 <= step_time < 3600 or not workers
+            or min(workers) < 1 or not 0 < target <= 1):
+        # (NaN fails every comparison: "not 0 <= nan" holds, so it is refused too.)
+        raise UsageError("need --steps >= 1, --batch-size >= 1, 0 <= --step-time < 3600 s, "
+                         "--workers >= 1, 0 < --target <= 1")
     from .config import LoaderOptions
 
     opts = {"cpus": cpus, "prefetch_factor": prefetch_factor}

@@ -193,7 +193,10 @@ def _watch_forks() -> None:
         os.register_at_fork(after_in_child=_count_fork)
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_alive(pid: int, start: int = 0) -> bool:
+    """Whether process ``pid`` runs, and (``start`` given) is the one that started at ``start``
+    (:func:`_start_time`): a pid is reused, and a progress file left by a killed reader must not
+    pass for a live one's (its old frontier would hold the stager back for good)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -201,8 +204,21 @@ def _pid_alive(pid: int) -> bool:
         return False
     except OSError:
         return True
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state not in (b"Z", b"X")
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if not fields or fields[0] in (b"Z", b"X"):
+        return False
+    return not start or len(fields) < 20 or int(fields[19]) == start
+
+
+def _start_time(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22);
+    0 when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _unlink(path: str | None) -> None:
@@ -406,7 +422,8 @@ class NodeCache:
         tmp = tmp_name(path)
         try:
             with open(tmp, "wb") as f:
-                f.write(struct.pack("<8sQ", _PROGRESS_MAGIC, word).ljust(_PROGRESS_BYTES, b"\0"))
+                f.write(struct.pack("<8sQQ", _PROGRESS_MAGIC, word, _start_time(pid))
+                        .ljust(_PROGRESS_BYTES, b"\0"))
             os.replace(tmp, path)
             fd = os.open(path, os.O_RDWR)
             try:
@@ -506,21 +523,23 @@ class _Reporters:
                         int(owner)):
                     _unlink(os.path.join(self.dir, n))
         for pid in pids:
-            known = pid in self.maps
-            if (check or not known) and not _pid_alive(pid):
-                if known:
-                    self.maps.pop(pid).close()
-                _unlink(os.path.join(self.dir, str(pid)))
-            elif not known:
+            m = self.maps.get(pid)
+            if m is None:
                 try:
                     with open(os.path.join(self.dir, str(pid)), "rb") as f:
                         m = mmap.mmap(f.fileno(), _PROGRESS_BYTES, access=mmap.ACCESS_READ)
                 except (OSError, ValueError):
                     continue
-                if m[:8] == _PROGRESS_MAGIC:
-                    self.maps[pid] = m
-                else:
+                if m[:8] != _PROGRESS_MAGIC:
                     m.close()
+                    continue
+                self.maps[pid] = m
+            elif not check:
+                continue
+            # (The start time at offset 16: 0 in a file written before it was recorded.)
+            if not _pid_alive(pid, _load_u64(m, 16)):
+                self.maps.pop(pid).close()
+                _unlink(os.path.join(self.dir, str(pid)))
 
     def close(self) -> None:
         for m in self.maps.values():

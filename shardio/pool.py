@@ -1126,11 +1126,33 @@ class WorkerPool:
         self._post(w, (Cmd.EPOCH, generation, spec, redo))  # failing, it is noticed like a death
 
     def close(self) -> None:
-        """Stop workers (join → terminate → kill, bounded) and release the rings."""
+        """Stop workers (join → terminate → kill, bounded) and release the rings.
+
+        Interrupted (Ctrl-C while it waits for the workers), it kills the workers that are
+        left and reaps them before the exception goes on; what it did not do yet (the rings)
+        a later ``close()``, or the pool's collection, does."""
         if self._closed:
             return
-        self._closed = True
         self._gen.value += 1
+        try:
+            self._stop_workers()
+        except BaseException:
+            for w in self._workers:
+                if w.proc is not None and w.proc.is_alive():
+                    w.proc.kill()
+            for w in self._workers:
+                if w.proc is not None:
+                    w.proc.join(1.0)  # SIGKILL is prompt: reaped, not left a zombie
+            raise
+        for w in self._workers:
+            w.early.clear()
+            w.outbox.clear()
+            w.ring_frame = None
+            if w.ring is not None:
+                w.ring.unlink()
+        self._closed = True
+
+    def _stop_workers(self) -> None:
         for w in self._workers:
             if w.ctl is not None:
                 self._post(w, (Cmd.STOP,))
@@ -1152,12 +1174,6 @@ class WorkerPool:
             if w.proc.is_alive():
                 w.proc.kill()
                 w.proc.join(1.0)
-        for w in self._workers:
-            w.early.clear()
-            w.outbox.clear()
-            w.ring_frame = None
-            if w.ring is not None:
-                w.ring.unlink()
 
     def __del__(self) -> None:
         if threading is not None and not getattr(self, "_closed", True):

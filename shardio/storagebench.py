@@ -155,7 +155,7 @@ def _check_options(path: str, budget: int, time_limit: float, io_sizes: Sequence
         raise UsageError(f"{path} is not a directory; pass the directory to measure")
     if not os.access(path, os.W_OK | os.X_OK):
         raise UsageError(f"{path} is not writable; pass a directory you can write to")
-    if not (isinstance(time_limit, (int, float)) and time_limit > 0):
+    if not (isinstance(time_limit, (int, float)) and 0 < time_limit < 1e6):  # (not inf, NaN)
         raise UsageError(f"time limit must be > 0 seconds, got {time_limit!r}; pass --time-limit")
     if budget < MIN_BUDGET:
         raise UsageError(f"budget {_size(budget)} is below the minimum {_size(MIN_BUDGET)}; "

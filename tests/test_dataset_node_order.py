@@ -3,6 +3,7 @@ node reads a small set of shards, exact resume on another job size, and staging 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -128,3 +129,55 @@ def test_stage_command_refuses_an_impossible_job(data: Path, tmp_path: Path, cli
                         "--world-size", "4", "--ranks-per-node", "2", *args)
     assert rc == 2 and "error:" in err, (rc, err)
     assert not [p for p in cache.rglob("*") if p.suffix == ".tar"]
+
+
+@pytest.mark.parametrize("order", ["global", "node"])
+def test_stage_in_a_slurm_prolog_step_plans_for_the_training_job(
+        data: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+    """`srun --ntasks-per-node=1 shardio stage ... --ranks-per-node 2` (tools/slurm/train.sbatch)
+    on node 1 of 2: the step's own variables say 2 tasks, one per node.  The prolog planned for
+    that (a job of 2 ranks, 2 per node, has no node 1: exit 2, aborting the job script), or
+    without --ranks-per-node for 1 rank per node (13 of 93 needed shards missing); it must
+    stage what node 1's ranks of the 4-rank training job read."""
+    for k in [k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "PMI_"))] + [
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+                 "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2", "SLURM_NODEID": "1"}.items():
+        monkeypatch.setenv(k, v)
+    cache = tmp_path / "nvme"
+    cache.mkdir()
+    rc, out, err = cli("stage", data, "--cache", cache, "--epochs", "0", "--reserve", "0",
+                       "--seed", "4", "--batch-size", "3", "--order", order,
+                       "--ranks-per-node", "2")
+    assert rc == 0, err
+    assert out.startswith("node 1:")
+    want = set()
+    for rank in (2, 3):  # node 1's ranks of the training job
+        ds = shardio.ShardDataset(data, seed=4, batch_size=3, order=order,
+                                  topology=topo(rank, 4, 2))
+        want |= set(ds.schedule(0).shards.tolist())
+    names = {e.path: i for i, e in enumerate(shardio.Manifest.load(data).shards)}
+    staged = {names[p.name] for p in cache.rglob("*.tar")}
+    assert staged == want
+
+
+def test_a_resumed_node_order_restarts_a_stager_forked_before(data: Path,
+                                                              tmp_path: Path) -> None:
+    """set_epoch() before load_state_dict() forked the stager with this job's own node order
+    (C=2 here); the checkpoint's (C=4) is the one the readers follow, so the stager staged the
+    wrong shards for the rest of the job.  It is replaced by one that follows the state."""
+    a = shardio.ShardDataset(data, order="node", batch_size=3, topology=topo(0, 4, 1))
+    a.set_epoch(3)
+    state = a.state_dict(batches=1)
+    (tmp_path / "nvme").mkdir()
+    b = shardio.ShardDataset(data, order="node", batch_size=3, topology=topo(0, 2, 1),
+                             cache_dir=str(tmp_path / "nvme"), cache_reserve=0)
+    b.set_epoch(3)
+    first = b._stager
+    assert first is not None and first.pid is not None
+    b.load_state_dict(state)
+    assert b._stager is not first and b._stager is not None and b._stager.pid is not None
+    assert first.join(10) is not None  # the first one was stopped
+    assert b._node_params(3)[0] == 4
+    b._stager.stop()

@@ -11,6 +11,7 @@ worker count, after a worker's restart and after a resume.
 from __future__ import annotations
 
 import collections
+import gc
 import inspect
 import os
 import random
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader, get_worker_info
@@ -470,3 +472,52 @@ def test_superseded_iterator_without_workers(text: Path,
     for batch_size in (2.5, "8", True):
         with pytest.raises(UsageError, match="batch_size"):
             ShardLoader(ShardDataset(text, batch_size=4), batch_size, num_workers=0)
+
+
+def test_a_loader_dropped_without_close_stops_its_workers(text: Path) -> None:
+    """Dropping the last reference to a loader stops its workers, as with DataLoader, even
+    with the cyclic GC off: the pool called back into the loader through bound methods, a
+    cycle that kept workers and rings alive until a GC pass (16 workers after 8 loaders)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        pids = []
+        for _ in range(3):
+            loader = ShardLoader(ShardDataset(text, batch_size=4), 4, num_workers=2)
+            assert sum(1 for _ in loader) == len(loader)
+            pids += [w.proc.pid for w in loader._pool._workers]
+            del loader
+        assert wait_gone(pids, 10.0) == []
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_ctrl_c_inside_close_leaves_no_worker_and_a_usable_loader(
+        text: Path, monkeypatch: pytest.MonkeyPatch,
+        make_loader: Callable[..., ShardLoader]) -> None:
+    """Ctrl-C landing in close() (or in the close ending a non-persistent epoch) left the
+    loader holding a pool marked closed ("the worker pool is closed" at the next epoch) and its
+    workers as zombies, for good: a second close() returned at once."""
+    from shardio import pool as pool_mod
+
+    loader = make_loader(ShardDataset(text, batch_size=4), 4, num_workers=2)
+    assert sum(1 for _ in loader) == len(loader)
+    pids = [w.proc.pid for w in loader._pool._workers]
+    orphan = loader._pool  # (its own close finishes once it is collected: below)
+    real = pool_mod.WorkerPool._stop_workers
+
+    def interrupted(self: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pool_mod.WorkerPool, "_stop_workers", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        loader.close()
+    monkeypatch.setattr(pool_mod.WorkerPool, "_stop_workers", real)
+    assert not orphan._closed
+    del orphan
+    for pid in pids:  # killed and reaped: no zombie either
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).ppid() != os.getpid()
+    assert loader._pool is None
+    assert sum(1 for _ in loader) == len(loader)  # a new pool
+    loader.close()

@@ -40,6 +40,14 @@ def test_loader_bench_table_and_bad_usage(ds: Path, cli) -> None:
     assert "recommendation: 1 worker(s)" in out and "wait %" in out
     rc, _out, err = cli("bench", "loader", ds, "--workers", "one")
     assert rc == 2 and "--workers" in err
+    # NaN and inf passed the `step_time < 0` check and crashed in time.sleep with a traceback.
+    for arg in (["--step-time", "nan"], ["--step-time", "inf"], ["--target", "nan"],
+                ["--target", "-1"]):
+        rc, _out, err = cli("bench", "loader", ds, "--workers", "1", "--steps", "2", *arg)
+        assert rc == 2 and "--step-time" in err, (arg, err)
+    root = ds.parent
+    rc, _out, err = cli("bench", "storage", root, "--time-limit", "inf")
+    assert rc == 2 and "--time-limit" in err
 
 
 def test_loader_bench_pins_workers_and_sets_prefetch(ds: Path, cli) -> None:

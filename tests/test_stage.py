@@ -647,6 +647,32 @@ def test_frontier_is_the_slowest_live_reader(dataset: Path, tmp_path: Path) -> N
         cache.report(-1, 0)
 
 
+def test_a_progress_file_whose_pid_was_reused_is_stale(dataset: Path, tmp_path: Path) -> None:
+    """A reader killed at epoch 7 leaves its progress file; when its pid belongs to another
+    live process later (pid reuse, per-job pid namespaces), the file must not pass for a live
+    reader's: its frontier held every epoch before 7 back (10 of 103 shards staged)."""
+    import struct
+    import subprocess
+
+    from shardio import nodecache
+
+    cache = NodeCache(tmp_path, dataset, load(dataset))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        progress = Path(cache.progress_dir, str(other.pid))
+        word = nodecache.time_key(7, 0) + 1
+        for start, alive in ((nodecache._start_time(other.pid) + 1, False),
+                             (nodecache._start_time(other.pid), True)):
+            progress.write_bytes(struct.pack("<8sQQ", nodecache._PROGRESS_MAGIC, word, start)
+                                 .ljust(nodecache._PROGRESS_BYTES, b"\0"))
+            assert (cache.frontier() == (7, 0)) is alive
+            assert progress.exists() is alive
+    finally:
+        other.kill()
+        other.wait()
+    cache.close()
+
+
 def test_find_cache_dir_order(tmp_path: Path) -> None:
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for d in (a, b, c):
