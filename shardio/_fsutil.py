@@ -169,3 +169,16 @@ def check_relpath(rel: str) -> str:
 def resolve_in(base: str, rel: str) -> str:
     """Join a checked relative path onto ``base``."""
     return os.path.join(base, check_relpath(rel))
+
+
+def set_pdeathsig(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when the thread that forked it ends
+    (``PR_SET_PDEATHSIG``; Linux).  The caller checks ``os.getppid()`` afterwards: a parent
+    that died before this call sent nothing."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - non-Linux
+        pass

@@ -14,11 +14,13 @@ from __future__ import annotations
 import marshal
 import os
 import select
+import signal
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ._fsutil import set_pdeathsig
 from ._scan import Sample
 from .errors import ShardioError
 from .formats import WrittenShard
@@ -74,10 +76,15 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _child(tasks_fd: int, write: Write, fd: int) -> None:
+def _child(tasks_fd: int, write: Write, fd: int, parent: int) -> None:
     """A forked worker: write each task read from ``tasks_fd`` (until end of file), report each
-    shard (or the error) on ``fd``; never returns."""
+    shard (or the error) on ``fd``; never returns.  It dies with its parent (SIGKILL): a pack
+    killed and rerun at once, with other options, must not see this worker publish a shard of
+    the old job over the new one's (its temp file is then swept by the rerun)."""
     code = 0
+    set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
     try:
         while (head := _read_exactly(tasks_fd, 8)) is not None:
             body = _read_exactly(tasks_fd, int.from_bytes(head, "little"))
@@ -182,7 +189,7 @@ def run_forked(tasks: Iterable[Task], procs: int, write: Write,
     which bounds the memory the plan holds.  No thread runs at fork time (the progress bar has
     no monitor thread).  The first error stops the handing out; the workers finish the shard in
     hand, then the error is raised here, typed as the worker raised it (its traceback added as
-    a note).  A worker whose parent dies reads end of file and exits after its shard.
+    a note).  A worker whose parent dies is killed with it (``PR_SET_PDEATHSIG``).
     """
     import pickle  # noqa: F401  (here, not at import: a one-worker pack never needs it)
 
@@ -230,6 +237,7 @@ def run_forked(tasks: Iterable[Task], procs: int, write: Write,
         for _ in range(procs):
             r, w = os.pipe()
             tr, tw = os.pipe()
+            parent = os.getpid()
             pid = os.fork()
             if pid == 0:
                 os.close(r)
@@ -237,7 +245,7 @@ def run_forked(tasks: Iterable[Task], procs: int, write: Write,
                 for wk in workers:  # a sibling's task pipe must close when the parent closes it
                     os.close(wk.tasks_fd)
                     os.close(wk.fd)
-                _child(tr, write, w)
+                _child(tr, write, w, parent)
             os.close(w)
             os.close(tr)
             workers.append(_Worker(pid, r, tw))

@@ -388,6 +388,26 @@ class _Tup(NamedTuple):
     inner: Any
 
 
+def _stack_dtype(dtypes: Sequence[np.dtype]) -> np.dtype | None:
+    """The dtype a column of equal-shape arrays is stacked to, as ``torch.stack`` promotes them
+    (float32 with int64 is float32, not numpy's float64); None when they make a list instead:
+    a dtype torch has no tensor for (strings, objects, big-endian) or a mix it cannot promote."""
+    d0 = dtypes[0]
+    if all(d == d0 for d in dtypes):
+        return d0 if d0.isnative and d0.kind in "biufc" else None
+    if not all(d.isnative and d.kind in "biufc" for d in dtypes):
+        return None
+    kinds = {d.kind for d in dtypes}
+    if "c" in kinds:
+        return np.result_type(*dtypes)
+    for group in ("f", "iu"):
+        chosen = [d for d in dtypes if d.kind in group]
+        if chosen:
+            out = np.result_type(*chosen)
+            return out if out.kind in group else None  # (uint64 with int64: no integer type)
+    return _BOOL
+
+
 def _default_float() -> np.dtype:
     """torch's default dtype (what ``torch.tensor`` makes of a Python float), as numpy's."""
     import sys
@@ -538,12 +558,12 @@ def _col(items: Sequence[Any], acc: _Acc, in_seq: bool = False) -> Any:
             got.append(pair)
         arrs = [a for a, _t in got]
         a0, t0 = got[0]
-        if not a0.dtype.hasobject and all(
-            a.shape == a0.shape and a.dtype == a0.dtype and t == t0 for a, t in got
-        ):
-            if acc.area is not None and any(acc.area.overlaps(a) for a in arrs):
-                acc.touched = True
-            return acc.add(a0.dtype, (len(arrs), *a0.shape), _stack_into(arrs), t0)
+        if all(a.shape == a0.shape and t == t0 for a, t in got):
+            dtype = _stack_dtype([a.dtype for a in arrs])
+            if dtype is not None:
+                if acc.area is not None and any(acc.area.overlaps(a) for a in arrs):
+                    acc.touched = True
+                return acc.add(dtype, (len(arrs), *a0.shape), _stack_into(arrs), t0)
         return [_leaf(x, acc) for x in items]
     if isinstance(first, _NUMBER):
         dtype = _number_dtype(items)

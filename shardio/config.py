@@ -323,12 +323,20 @@ class ReadOptions:
             raise UsageError(f"seed must be an integer in [0, 2**63), got {self.seed}")
         if self.batch_size < 1:
             raise UsageError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.image_mode not in IMAGE_MODES:
+            raise UsageError(f"image_mode {self.image_mode!r} is not a Pillow image mode; use "
+                             "'RGB' (default), 'L', 'RGBA', 'I;16', ... (PIL.Image.MODES)")
         if self.remainder not in ("pad", "drop"):
             raise UsageError(f"remainder must be 'pad' or 'drop', got {self.remainder!r}")
         if self.shuffle_block < 1:
             raise UsageError(f"shuffle_block must be >= 1, got {self.shuffle_block}")
         if self.max_open_shards < 1:
             raise UsageError(f"max_open_shards must be >= 1, got {self.max_open_shards}")
+
+
+#: Pillow's image modes (``PIL.Image.MODES``): what ``image_mode`` may name.
+IMAGE_MODES = frozenset({"1", "L", "P", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "LAB",
+                         "HSV", "I", "F", "LA", "La", "PA", "I;16", "I;16L", "I;16B", "I;16N"})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -102,9 +102,12 @@ def decode_sample(sample: dict[str, Any], *, allow_pickle: bool = False,
         except (UsageError, MissingDependencyError):
             raise
         except Exception as exc:
+            image = k.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS
             raise DecodeError(
                 f"sample {sample.get('__key__')!r} field {k!r} does not decode ({exc}); the "
-                "source file was malformed when packed: fix it and repack, or read raw bytes "
-                "with decode=False"
+                "source file was malformed when packed" + (
+                    f", or Pillow cannot convert this image to image_mode={image_mode!r}"
+                    if image else "") + ": fix it and repack, or read raw bytes with "
+                "decode=False"
             ) from exc
     return out

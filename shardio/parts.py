@@ -239,7 +239,10 @@ def _prepare_part_out(jb: _Job, index: int, parts: int, first: int, stop: int
             existing = None
         if existing is not None and existing.job == job:
             return existing, set()
-    shard_re = re.compile(re.escape(options.prefix) + r"-(\d{6})\.(?:tar|tar\.idx|h5)")
+    shard_re = re.compile(re.escape(options.prefix) + r"-(\d{6})\.(tar|tar\.idx|h5)")
+    # A shard of the other format (a job of another --format before): no part of this job
+    # writes that name, so none would ever replace it.
+    ours_ext = ("tar", "tar.idx") if shard_suffix(options.format) == ".tar" else ("h5",)
     ours_seen, own, claims = False, False, set()
     foreign, pending = [], []
     for name in names:
@@ -258,7 +261,7 @@ def _prepare_part_out(jb: _Job, index: int, parts: int, first: int, stop: int
                 foreign.append(name)
         elif TMP_MARK in name:
             continue
-        elif sm is not None and int(sm[1]) >= len(jb.ranges):
+        elif sm is not None and (int(sm[1]) >= len(jb.ranges) or sm[2] not in ours_ext):
             foreign.append(name)  # beyond this job's plan: no part of it will ever replace it
         elif sm is not None or name in (DICT_NAME, "parity"):
             pending.append(name)

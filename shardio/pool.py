@@ -145,6 +145,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
 
+from ._fsutil import set_pdeathsig
 from ._tree import (
     KIND_BATCH,
     KIND_ERROR,
@@ -397,14 +398,6 @@ def keep_freed_heap() -> bool:
                 and mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
 
 
-def _set_pdeathsig() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - non-Linux
-        pass
-
-
 class _Output:
     """Worker side of one worker's ring and spill pipe (see *Spill* in the module docstring)."""
 
@@ -648,7 +641,7 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
                  num_workers: int) -> None:
     started[index] = os.getpid()  # out of fork: see "Stuck start" in the module docstring
     if pdeathsig:  # forked by main's main thread (see "Failure handling")
-        _set_pdeathsig()
+        set_pdeathsig(signal.SIGKILL)
     if os.getppid() != parent:  # main died before prctl took effect
         os._exit(1)
     # Main's ends of the pipes (this worker's and its siblings') came along with fork; a copy held

@@ -39,7 +39,6 @@ Budget accounting counts file bytes (shard + index), temp files included.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import fcntl
 import gc
@@ -64,7 +63,7 @@ from ._atomics import load_u32 as _load_u32
 from ._atomics import load_u64 as _load_u64
 from ._atomics import store_u32 as _store_u32
 from ._atomics import store_u64 as _store_u64
-from ._fsutil import TMP_MARK, fsync_dir, resolve_in, tmp_name
+from ._fsutil import TMP_MARK, fsync_dir, resolve_in, set_pdeathsig, tmp_name
 from .checksum import file_digest, new_digest
 from .config import START_TIMEOUT  # a stager that has not written its pid by then
 from .errors import StagingError, UsageError
@@ -544,14 +543,6 @@ def _advise(fd: int, advice: int) -> None:
         pass
 
 
-def _set_pdeathsig(sig: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - non-Linux
-        pass
-
-
 _INHERITED: list[Any] = []
 
 
@@ -666,7 +657,7 @@ class Stager:
     def _child(self, fd: int, parent: int, epochs: _Epochs) -> None:  # pragma: no cover
         code = 1
         try:
-            _set_pdeathsig(signal.SIGTERM)
+            set_pdeathsig(signal.SIGTERM)
             if os.getppid() != parent:
                 os._exit(0)
             gc.freeze()  # objects of the parent are never collected (and never close anything)

@@ -553,7 +553,7 @@ def test_state_dict_needs_batches_when_iterated_in_workers(tiny: Path, peek: boo
 
 def test_bad_numbers_are_usage_errors(tiny: Path) -> None:
     for kwargs in ({"seed": None}, {"seed": -1}, {"batch_size": 2.5}, {"batch_size": "8"},
-                   {"shuffle_block": None}):
+                   {"shuffle_block": None}, {"image_mode": "rgb"}):
         with pytest.raises(UsageError):
             shardio.ShardDataset(tiny, **kwargs)
     ds = shardio.ShardDataset(tiny)

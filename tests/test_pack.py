@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import shardio
@@ -506,13 +507,44 @@ def test_killed_pack_leaves_no_worker_behind(big_tree: Path, clean_pack: Path,
     rc, _, _ = _interrupt(_pack_cmd(big_tree, out, "--workers", "2"), out, signal.SIGKILL)
     assert rc == -signal.SIGKILL
     # _interrupt's communicate() returned, so every worker has closed the stdout and stderr it
-    # inherited: each read the end of its task pipe and exited, after the shard in hand.
+    # inherited: each was killed with its parent (PR_SET_PDEATHSIG), in the middle of its
+    # shard (whose temp file the rerun sweeps).
     _assert_no_partial_shard(out)
-    assert temp_files(out) == []
     proc = run_child(_pack_cmd(big_tree, out, "--workers", "2"))
     assert proc.returncode == 0
     assert temp_files(out) == []
     assert file_bytes(out) == file_bytes(clean_pack)
+
+
+def test_pack_workers_die_with_their_parent(tmp_path: Path) -> None:
+    """A pack killed with SIGKILL (the OOM killer, kill -9) and rerun at once with other
+    options: its workers finished the shards in hand and published them over the rerun's
+    dataset (verify failed after a clean rerun).  They die with the parent now."""
+    src = write_files(tmp_path / "src", {f"a/f{i:03d}.bin": os.urandom(2000) for i in range(48)})
+    out = tmp_path / "ds"
+    env = {**_env(), "SHARDIO_SLOW_READS": f"{src}:1GB:0.05"}  # ~0.2 s a shard
+    cmd = [sys.executable, "-m", "shardio", "pack", str(src), str(out), "--samples-per-shard",
+           "4", "--workers", "2", "--no-fsync"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not _published_indexes(out):
+            assert proc.poll() is None and time.monotonic() < deadline, "no shard published"
+            time.sleep(0.002)
+        workers = [c.pid for c in psutil.Process(proc.pid).children()]
+        assert len(workers) == 2
+        before = sorted(_published_indexes(out))
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    for pid in workers:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    time.sleep(0.5)  # a worker still alive would publish its shard in hand within ~0.2 s
+    assert sorted(_published_indexes(out)) == before
 
 
 def test_resume_after_sigint(big_tree: Path, clean_pack: Path, tmp_path: Path) -> None:

@@ -468,3 +468,21 @@ def test_merge_result_is_a_manifest(three_parts: tuple[Path, Path]) -> None:
     m = shardio.merge(out)
     assert isinstance(m, Manifest) and Manifest.load(str(out)).to_json() == m.to_json()
     assert m.num_samples == 60 and part_files(out) == []
+
+
+def test_parts_of_another_format_over_a_merged_job(cli: Cli, image_tree: Path,
+                                                   tmp_path: Path) -> None:
+    """Parts repacking OUT as HDF5 with --overwrite (after a tar job): the tar shards inside the
+    new plan were left beside the .h5 ones (no part of the new job writes their names), and
+    verify listed them as extra files.  The result is the single pack's."""
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    for i in range(2):
+        assert isinstance(shardio.pack(image_tree, out, **KW, part=(i, 2)), PartResult)
+    shardio.merge(out)
+    assert any(n.endswith(".tar") for n in os.listdir(out))
+    for i in range(2):
+        shardio.pack(image_tree, out, **KW, format="hdf5", overwrite=True, part=(i, 2))
+    shardio.merge(out)
+    expected = single_pack(cli, image_tree, ref, [*SINGLE_ARGS, "--format", "hdf5"])
+    assert tree_bytes(out) == expected
+    assert shardio.verify_dataset(str(out)) == []

@@ -287,3 +287,22 @@ def test_arrays_that_are_not_stacked_still_travel_out_of_band() -> None:
     out = roundtrip(plan)
     assert all(torch.equal(x, y) for x, y in zip(out["img"], imgs))
     assert all(type(x) is np.ndarray and np.array_equal(x, y) for x, y in zip(out["a"], arrs))
+
+
+def test_arrays_of_different_dtypes_stack_as_torch_stack_does() -> None:
+    """Equal-shape arrays of different dtypes: default_collate stacks them (torch.stack promotes:
+    float32 with float64 is float64, uint8 with int64 int64, int64 with float32 float32); they
+    came back as a list.  Dtypes torch has no tensor for (big-endian, strings) stay a list of
+    arrays (they were stacked, then failed in the training process, untyped)."""
+    from torch.utils.data import default_collate
+
+    cases = [(np.float32, np.float64), (np.uint8, np.int64), (np.int64, np.float32),
+             (np.bool_, np.int16), (np.float16, np.complex64)]
+    for a, b in cases:
+        items = [np.arange(3).astype(a), np.arange(3).astype(b), np.ones(3, dtype=a)]
+        out, theirs = roundtrip(plan_collate(items)), default_collate(items)
+        assert out.dtype == theirs.dtype, (a, b)
+        assert torch.equal(out, theirs)
+    for odd in (np.arange(3, dtype=">f4"), np.array(["ab", "cd", "ef"])):
+        out = roundtrip(plan_collate([odd, odd.copy()]))
+        assert type(out) is list and all(np.array_equal(x, odd) for x in out)
