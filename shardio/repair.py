@@ -23,8 +23,8 @@ that sample only: a later sample that fails on the next copy is read again from 
 failed on another sample (bad bytes in two copies of a shard, at different places, lose nothing).
 A copy that cannot be opened (missing, truncated, unreadable index) is bad for the whole shard.
 
-Only when every copy fails a sample does ``on_corrupt`` decide: ``"raise"`` (:class:`UnrepairableError`)
-or ``"skip"`` (the sample is dropped and counted).  Every event is counted in
+Only when every copy fails a sample does ``on_corrupt`` decide: ``"raise"``
+(:class:`UnrepairableError`) or ``"skip"`` (the sample is dropped and counted).  Every event is counted in
 :class:`RepairCounters`, which live in shared memory that every worker process adds to (forked,
 spawned or forkserver), logged on the ``shardio.repair`` logger, and reported by ``stats()``.
 """
