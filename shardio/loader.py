@@ -450,6 +450,10 @@ class ShardLoader:
         self._preempt: tuple[str | None, Any, bool] = (None, None, True)
         self._preempt_pending = False
         self.preempted = False
+        self._saving = False  # a preemption save is being written (the handler re-entered)
+        # A stop signal came while no iteration ran: the position was saved then, so the next
+        # iteration ends at once (it would deliver what the saved position says is to come).
+        self._stop_next = False
         self._pool: WorkerPool | None = None
         self._released: deque[tuple[Any, Any]] = deque()
         self._delivered = 0
@@ -554,23 +558,29 @@ class ShardLoader:
             raise UsageError("save_on_signal needs path= (a JSON file) or callback=")
         self._preempt = (None if path is None else os.fspath(path), callback, stop)
         self._preempt_pending = False
+        self._stop_next = False
 
         def handler(signo: int, frame: Any) -> None:
             if self._iterating:
                 self._preempt_pending = True
-            else:
+            elif not self._saving:  # (a second signal while the first one's save runs: the same)
                 self._save_preempted()
+                self._stop_next = stop
 
         signal.signal(signum, handler)
 
     def _save_preempted(self) -> None:
         self._preempt_pending = False
         path, callback, _stop = self._preempt
-        state = self.state_dict()
-        if path is not None:
-            atomic_write_bytes(path, json.dumps(state, sort_keys=True).encode())
-        if callback is not None:
-            callback(state)
+        self._saving = True
+        try:
+            state = self.state_dict()
+            if path is not None:
+                atomic_write_bytes(path, json.dumps(state, sort_keys=True).encode())
+            if callback is not None:
+                callback(state)
+        finally:
+            self._saving = False
         self.preempted = True
         log.warning("preemption signal: loader position saved (%s)", path or "callback")
 
@@ -699,6 +709,12 @@ class ShardLoader:
                                if ds.options.order == "node" else None)}
 
     def __iter__(self) -> Iterator[Any]:
+        if self._stop_next:
+            # The preemption signal came between iterations and its save recorded the position
+            # from which this iteration would deliver: it ends at once (exactly once on resume).
+            log.warning("preemption: the loader position was saved before this iteration; it "
+                        "ends at once (check loader.preempted and exit)")
+            return
         if self.num_workers == 0:
             yield from self._iter_here()
             return
@@ -795,6 +811,7 @@ class ShardLoader:
                 self._delivered += 1
                 self._stats.end_wait(started, dict(zip(STAGES, times)))
                 yield batch
+            self._stats.begin_wait()  # the last step's compute ends here (as with workers)
         finally:
             if self._iterating is token:
                 self._iterating = None
@@ -851,6 +868,7 @@ class ShardLoader:
         self._delivered = 0
         self._finished = False
         self._gen = self.dataset._position_gen
+        self._stop_next = False
 
     def stats(self) -> dict[str, Any]:
         """Data-wait vs compute per step, per-stage worker times, copies, restarts; ``repair``:

@@ -86,6 +86,45 @@ def test_signal_outside_an_iteration_saves_at_once(data: Path, tmp_path: Path) -
         loader.save_on_signal()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_signal_between_iterations_ends_the_next_one(data: Path, tmp_path: Path,
+                                                     workers: int) -> None:
+    """A stop signal while no iteration runs (before the epoch loop, or between epochs after
+    the loop's `if loader.preempted` check) saved the position, and the next iteration then
+    delivered the whole epoch that position says is still to come: twice across the resume.
+    It ends at once now; a second signal during the save is absorbed (the nested save renamed
+    the shared temp file from under the first: ShardIOError out of the handler)."""
+    state = tmp_path / "state.json"
+    ds = shardio.ShardDataset(data, batch_size=8)
+    keys = lambda b: [s["__key__"] for s in b]  # noqa: E731
+    old = signal.getsignal(signal.SIGUSR2)
+    try:
+        with shardio.ShardLoader(ds, 8, num_workers=workers, collate_fn=keys) as loader:
+            first = [k for b in loader for k in b]  # epoch 0, whole
+            saves = []
+
+            def again(st: dict) -> None:  # a second signal lands inside the first one's save
+                saves.append(st)
+                if len(saves) == 1:
+                    os.kill(os.getpid(), signal.SIGUSR2)
+
+            loader.save_on_signal(state, callback=again, signum=signal.SIGUSR2)
+            loader.set_epoch(1)
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert loader.preempted and len(saves) == 1
+            assert list(loader) == []  # ended at once: nothing of epoch 1 delivered twice
+            saved = json.loads(state.read_text())
+            assert (saved["epoch"], saved["cursor"]) == (1, 0)
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+    resumed = shardio.ShardLoader(shardio.ShardDataset(data, batch_size=8), 8,
+                                  num_workers=workers, collate_fn=keys)
+    resumed.load_state_dict(saved)
+    epoch1 = [k for b in resumed for k in b]
+    resumed.close()
+    assert sorted(epoch1) == sorted(first) and len(epoch1) == len(first)
+
+
 class _SignalMainAt:
     """Worker transform: sends SIGUSR2 to the training process on one key, while the training
     process waits for that key's batch (the worker is slower than the training step)."""
