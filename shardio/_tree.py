@@ -389,22 +389,28 @@ class _Tup(NamedTuple):
 
 
 def _stack_dtype(dtypes: Sequence[np.dtype]) -> np.dtype | None:
-    """The dtype a column of equal-shape arrays is stacked to, as ``torch.stack`` promotes them
-    (float32 with int64 is float32, not numpy's float64); None when they make a list instead:
-    a dtype torch has no tensor for (strings, objects, big-endian) or a mix it cannot promote."""
+    """The dtype a column of equal-shape arrays is stacked to, as ``torch.stack`` promotes them;
+    None when they make a list instead: a dtype torch has no tensor for (strings, objects,
+    big-endian) or a mix it cannot promote."""
     d0 = dtypes[0]
     if all(d == d0 for d in dtypes):
         return d0 if d0.isnative and d0.kind in "biufc" else None
     if not all(d.isnative and d.kind in "biufc" for d in dtypes):
         return None
-    kinds = {d.kind for d in dtypes}
-    if "c" in kinds:
+    return _promote(set(dtypes))
+
+
+def _promote(dtypes: set[np.dtype]) -> np.dtype | None:
+    """torch's promotion of ``dtypes`` (numeric, native): complex over float over integer over
+    bool, the widest of the leading kind (float32 with int64 is float32, not numpy's float64);
+    None for a mix without a common type (uint64 with int64)."""
+    if any(d.kind == "c" for d in dtypes):
         return np.result_type(*dtypes)
     for group in ("f", "iu"):
         chosen = [d for d in dtypes if d.kind in group]
         if chosen:
             out = np.result_type(*chosen)
-            return out if out.kind in group else None  # (uint64 with int64: no integer type)
+            return out if out.kind in group else None
     return _BOOL
 
 
@@ -427,31 +433,24 @@ def _number_dtype(items: Sequence[Any]) -> np.dtype | None:
     if isinstance(items[0], float):
         ok = all(isinstance(x, _NUMBER) for x in items)
         return np.dtype(np.float64) if ok else None
-    floats: set[np.dtype] = set()
-    ints: set[np.dtype] = set()
+    dtypes: set[np.dtype] = set()
     for x in items:
         t = type(x)
         if t is int:
-            ints.add(_INT64)
+            dtypes.add(_INT64)
         elif t is bool:
-            continue
+            dtypes.add(_BOOL)
         elif isinstance(x, np.generic):
-            kind = x.dtype.kind
-            if kind == "f":
-                floats.add(x.dtype)
-            elif kind in "iu":
-                ints.add(x.dtype)
-            elif kind != "b":
+            if x.dtype.kind not in "biuf":
                 return None
+            dtypes.add(x.dtype)
         elif isinstance(x, float):
-            floats.add(_default_float())
+            dtypes.add(_default_float())
         elif isinstance(x, int):  # an int subclass (IntEnum, ...)
-            ints.add(_INT64)
+            dtypes.add(_INT64)
         else:
             return None
-    if floats:
-        return np.result_type(*floats)
-    return np.result_type(*ints) if ints else _BOOL
+    return _promote(dtypes)
 
 
 def plan_tree(tree: Any, area: Area | None = None,

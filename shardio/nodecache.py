@@ -193,18 +193,25 @@ def _watch_forks() -> None:
         os.register_at_fork(after_in_child=_count_fork)
 
 
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first, start time at
+    index 19); None when there is no such process.  Other OSErrors propagate."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
 def _pid_alive(pid: int, start: int = 0) -> bool:
     """Whether process ``pid`` runs, and (``start`` given) is the one that started at ``start``
     (:func:`_start_time`): a pid is reused, and a progress file left by a killed reader must not
     pass for a live one's (its old frontier would hold the stager back for good)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
+        fields = _stat_fields(pid)
     except OSError:
         return True
-    fields = stat[stat.rfind(b")") + 2 :].split()
     if not fields or fields[0] in (b"Z", b"X"):
         return False
     return not start or len(fields) < 20 or int(fields[19]) == start
@@ -214,10 +221,9 @@ def _start_time(pid: int) -> int:
     """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22);
     0 when unknown."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rfind(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
+        fields = _stat_fields(pid)
+        return int(fields[19]) if fields and len(fields) > 19 else 0
+    except (OSError, ValueError):
         return 0
 
 
