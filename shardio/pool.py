@@ -42,8 +42,12 @@ Spill
     without waiting whenever the ring is full and main wants the step, until the ring takes a
     message again.  Main waits on the pipe while a worker spills and on the ring otherwise, and
     looks at the other channel after every wait; steps keep their order because main stashes a
-    message that overtook an earlier one through the other channel.  Error messages too large
-    for the ring always go through the pipe.
+    message that overtook an earlier one through the other channel.  A worker whose message
+    takes the ring again after a spill (in that epoch or a later one) says so through the pipe
+    (16 bytes, ``b"RINGBACK"``), after committing it: main, waiting on the pipe, turns to the
+    ring at once rather than after ``poll_interval``, a wait that would let the worker, blocked
+    in turn on the ring that main fills meanwhile, time out and spill a batch main could have
+    made room for.  Error messages too large for the ring always go through the pipe.
 
     Before it comes to that, main is told: it waits on a ring with ``recv(until_full=True)``,
     which stops as soon as the worker waits for space (the worker nudges a waiting main, see
@@ -207,6 +211,7 @@ class Cmd(IntEnum):
 
 _SIZE_REPORT = struct.Struct("<8sQ")  # see *Ring sizing*; shorter than any message header
 _SIZE_MAGIC = b"RINGSIZE"
+_BACK_MAGIC = b"RINGBACK"  # see *Spill*: a worker's messages take the ring again
 _EOF = object()  # _recv_spilled: the worker's end of the spill pipe is gone
 _MAX_FDS = 4  # descriptors one read of the control socket can take (one per RING command)
 _GONE = ("gone",)  # _Output.await_ring: main is gone
@@ -514,8 +519,7 @@ class _Output:
             ring.commit(nbytes)
         except RingClosedError:
             return Sent.CLOSED
-        self.spilling = False
-        return Sent.DELIVERED
+        return self._delivered()
 
     def _keep(self, claim: Claim) -> None:
         """Something in this worker still views ``claim``'s area: make its pages private here
@@ -576,8 +580,17 @@ class _Output:
                 self.ring.commit()
             except RingClosedError:
                 return Sent.CLOSED
+            return self._delivered()
+
+    def _delivered(self) -> Sent:
+        """A message went into the ring: after a spill, main (waiting on the pipe) is told."""
+        if self.spilling:
             self.spilling = False
-            return Sent.DELIVERED
+            try:
+                self.data.send_bytes(_SIZE_REPORT.pack(_BACK_MAGIC, 0))
+            except OSError:  # main closed its end: the pool is closing
+                return Sent.CLOSED
+        return Sent.DELIVERED
 
     def _spill(self, plan: Plan, step: int, times: list[float], generation: int,
                kind: int) -> Sent:
@@ -960,14 +973,18 @@ class WorkerPool:
         return w.ring, msg
 
     def _recv_spilled(self, w: _Worker) -> tuple[Ring | None, Any] | object | None:
-        """A message from the spill pipe; None for a size report (handled here), ``_EOF`` when
-        the worker's end is gone (it died, maybe mid-send: treated like a timeout)."""
+        """A message from the spill pipe; None for a size report or a ``RINGBACK`` (handled
+        here), ``_EOF`` when the worker's end is gone (it died, maybe mid-send: treated like a
+        timeout)."""
         try:
             data = w.data.recv_bytes()
         except (EOFError, OSError):
             return _EOF
         if len(data) == _SIZE_REPORT.size and data.startswith(_SIZE_MAGIC):
             self._size_rings(w, _SIZE_REPORT.unpack(data)[1])
+            return None
+        if len(data) == _SIZE_REPORT.size and data.startswith(_BACK_MAGIC):
+            w.spilling = False  # its next messages are in the ring (see *Spill*)
             return None
         w.spilling = True
         if (w.ring is not None and self.make_room is not None
@@ -1097,7 +1114,7 @@ class WorkerPool:
                 got = self._recv_spilled(w)
                 if got is _EOF:
                     break
-                if got is None:  # a size report
+                if got is None:  # a size report or a RINGBACK
                     continue
             ring, msg = got
             kind, step, _t, gen = read_header(msg.view)
