@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
@@ -46,6 +47,29 @@ def parse_size(text: str | int | float) -> int:
 # a short read that long may be that cap rather than the end of the file: read on.  A shorter
 # short read of a regular file is its end, as everywhere else in shardio.
 BIG_READ = 1 << 30
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``; IsADirectoryError for a
+    directory, OSError (``EINVAL``) for anything else, whose open or read could wait for ever
+    (a FIFO waits for a writer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):  # (open() of a directory fails so; os.open does not)
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str) -> bytes:
+    """The bytes of the regular file at ``path`` (see :func:`open_regular`)."""
+    with open(open_regular(path), "rb") as f:
+        return f.read()
 
 
 def pread_full(fd: int, n: int, offset: int) -> bytes:
@@ -146,6 +170,14 @@ def remove_temp_files(directory: str) -> int:
     return removed
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
 def check_relpath(rel: str) -> str:
     """Return ``rel`` if it is a relative path that stays inside its base directory.
 
@@ -157,6 +189,10 @@ def check_relpath(rel: str) -> str:
             f"manifest path {rel!r} is not relative; manifests may only name files inside the "
             "dataset directory (regenerate it with `shardio pack` or `shardio index`)"
         )
+    if "\0" in rel or not _encodable(rel):
+        raise UnsafePathError(
+            f"manifest path {rel!r} holds a NUL or is not valid UTF-8, so it names no file; the "
+            "manifest was edited or damaged (regenerate it with `shardio pack` or `shardio index`)")
     parts = rel.replace("\\", "/").split("/")
     if ".." in parts:
         raise UnsafePathError(

@@ -35,6 +35,7 @@ file, a file with no extension, a label file) back whole, and
 
 from __future__ import annotations
 
+import errno
 import os
 import stat as stat_mod
 import sys
@@ -56,6 +57,7 @@ from .errors import (
     UnreadableFileError,
     UsageError,
 )
+from .formats.tar import RESERVED_FIELDS, skipped_member
 
 try:  # a directory listed and stat'ed in C (shardio/_listdir.c); _list is the reference
     from ._listdir import list_dir as _list_dir
@@ -137,6 +139,21 @@ def _no_extension(path: str) -> SourceError:
                        ".bin) or pass --on-error skip")
 
 
+def _unlistable(path: str, exc: OSError) -> UnreadableFileError:
+    fix = ("its path is longer than the system takes (PATH_MAX): move the tree to a shorter "
+           "path" if exc.errno == errno.ENAMETOOLONG else "fix its permissions")
+    return UnreadableFileError(exc.errno, f"cannot list directory {path}: {exc.strerror}; {fix} "
+                               "or pass --on-error skip")
+
+
+def _not_regular(path: str, mode: int) -> UnreadableFileError:
+    what = ("a FIFO (named pipe)" if stat_mod.S_ISFIFO(mode) else "a socket"
+            if stat_mod.S_ISSOCK(mode) else "a device file")
+    return UnreadableFileError(
+        errno.EINVAL, f"{path} is {what}, not a regular file: it has no bytes to pack (reading "
+        "it could block for ever); remove it from SRC or pass --on-error skip")
+
+
 def _no_class_dir(key: str) -> SourceError:
     return SourceError(f"sample {key!r} is not inside a class folder, so --label-from-dir cannot "
                        "label it; move it into SRC/<class>/ or pass --on-error skip")
@@ -165,6 +182,65 @@ def _case_clash(key: str, fl: list[_File], label: bool) -> DuplicateKeyError | N
 def _has_label_file(key: str) -> DuplicateKeyError:
     return DuplicateKeyError(f"sample {key!r} already has a {LABEL_FIELD!r} file, which "
                              "--label-from-dir would overwrite; drop one of them")
+
+
+def _reserved(key: str, fl: list[_File]) -> SourceError | None:
+    """The error for a sample WebDataset would not read as packed, or None: a field named like
+    its ``__key__``/``__url__`` entries, or a key that makes a member name it skips."""
+    for f in fl:
+        if f[0] in RESERVED_FIELDS:
+            return DuplicateKeyError(
+                f"sample {key!r} has a field named {f[0]!r} ({f[1]}), the name of an entry every "
+                "sample has: WebDataset refuses the tar (duplicate file name); rename the file "
+                "or pass --on-error skip")
+    if key.startswith("__") and any(skipped_member(f"{key}.{f[0]}") for f in fl):
+        return SourceError(
+            f"sample {key!r} ({fl[0][1]}): WebDataset skips tar members named __x__ or under a "
+            "__x__/ directory (its metadata), so it would not see this sample; rename the file "
+            "or its directory, or pass --on-error skip")
+    return None
+
+
+def _zst_clash(key: str, fl: list[_File]) -> DuplicateKeyError | None:
+    """With ``--compress zstd`` a compressed field F is the tar member ``key.F.zst``: the error
+    for a sample that also has a field ``F.zst``, or None."""
+    names = {f[0] for f in fl}
+    for f in fl:
+        if f[0] + ".zst" in names:
+            return DuplicateKeyError(
+                f"sample {key!r} has fields {f[0]!r} and {f[0] + '.zst'!r}: with --compress zstd "
+                f"the first is stored as the tar member {key}.{f[0]}.zst, the name of the second; "
+                "rename one of the files, pack without --compress, or pass --on-error skip")
+    return None
+
+
+def _lowered(fl: list[_File]) -> list[_File]:
+    """``fl`` with its field names lowercased, as WebDataset reads them (after
+    :func:`_case_clash`: no two then share a name), in field order."""
+    for f in fl:
+        if f[0] != f[0].lower():
+            return sorted(((f[0].lower(), *f[1:]) for f in fl), key=lambda f: f[0])
+    return fl
+
+
+def check_sample(key: str, fl: list[_File], label: bool, zst: bool
+                 ) -> list[_File] | tuple[str, SourceError]:
+    """The files of sample ``key`` as it is packed (field names lowercased), or ``(skip kind,
+    error)`` for a sample WebDataset would not read as shardio does: two fields differing only
+    by case (with ``label``, one named like the label field), a reserved field name or a member
+    name it skips, and with ``zst`` (``--compress zstd``) fields F and F.zst."""
+    if len(fl) > 1 or label:
+        clash = _case_clash(key, fl, label)
+        if clash is not None:
+            return "duplicate_key", clash
+    fl = _lowered(fl)
+    bad = (_reserved(key, fl) if len(fl) > 1 or key[:1] == "_" or fl[0][0][:1] == "_"
+           else None)
+    if bad is None and zst and len(fl) > 1:
+        bad = _zst_clash(key, fl)
+    if bad is not None:
+        return ("reserved_name" if type(bad) is SourceError else "duplicate_key"), bad
+    return fl
 
 
 def _fetch_entries(entries: Sequence[os.DirEntry[str]], latency: float = 0.0) -> list[Any]:
@@ -390,8 +466,8 @@ class Walk:
     """
 
     def __init__(self, src: str, out: str, *, label_from_dir: bool, on_error: str,
-                 scan_threads: int | None = None) -> None:
-        self.src, self.label_from_dir = src, label_from_dir
+                 scan_threads: int | None = None, zstd: bool = False) -> None:
+        self.src, self.label_from_dir, self.zstd = src, label_from_dir, zstd
         self.stats = _Stats(scan_threads)
         self.out_real = os.path.realpath(out)
         self.problem = _Problems(on_error)
@@ -426,9 +502,7 @@ class Walk:
         try:
             dfd = os.open(path, _O_DIR)
         except OSError as exc:
-            problem("unreadable", UnreadableFileError(
-                exc.errno, f"cannot list directory {path}: {exc.strerror}; fix its permissions or "
-                "pass --on-error skip"))
+            problem("unreadable", _unlistable(path, exc))
             return
         try:
             if _list_dir is not None and self.stats.fast:
@@ -446,9 +520,7 @@ class Walk:
                 with os.scandir(dfd) as it:
                     entries = list(it)
             except OSError as exc:
-                problem("unreadable", UnreadableFileError(
-                    exc.errno, f"cannot list directory {path}: {exc.strerror}; fix its permissions "
-                    "or pass --on-error skip"))
+                problem("unreadable", _unlistable(path, exc))
                 return
             if rel and len(entries) >= _STREAM_MIN and (self.stats.pooled
                                                         or not self.stats.decided):
@@ -560,11 +632,11 @@ class Walk:
                                        ids[name] if top else cls)
                 continue
             key = prefix + place
-            if len(fl) > 1 or self.label_from_dir:
-                clash = _case_clash(key, fl, self.label_from_dir)
-                if clash is not None:
-                    problem("duplicate_key", clash)
-                    continue
+            checked = check_sample(key, fl, self.label_from_dir, self.zstd)
+            if type(checked) is tuple:
+                problem(*checked)
+                continue
+            fl = checked
             if not self.label_from_dir:
                 self.samples += 1
                 yield Sample(key, fl)
@@ -629,6 +701,8 @@ class Walk:
                     have[ext] = entry  # names are unique in a directory: so is (stem, ext)
             elif isdir(mode):
                 self._subdir(subdirs, base + name, (st.st_dev, st.st_ino), ancestors)
+            else:
+                problem("not_regular", _not_regular(base + name, mode))
         return {stem: [have[f] for f in sorted(have)] if len(have) > 1 else list(have.values())
                 for stem, have in groups.items()}, subdirs
 
@@ -693,23 +767,26 @@ def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> l
         if stat_mod.S_ISREG(st.st_mode):
             d, base = os.path.split(rel)
             found.append((d, base, path, st.st_size, st.st_mtime_ns))
+        elif not stat_mod.S_ISDIR(st.st_mode):
+            problem("not_regular", _not_regular(path, st.st_mode))
     return found
 
 
 def scan_source(
     src: str, out: str, *, files_from: str | None, label_from_dir: bool, on_error: str,
-    scan_threads: int | None = None,
+    scan_threads: int | None = None, zstd: bool = False,
 ) -> ScanResult:
     """Scan ``src`` (or the list ``files_from`` relative to it) into key-sorted samples;
-    ``scan_threads``: see the module docstring.
+    ``scan_threads``: see the module docstring; ``zstd``: the pack compresses fields
+    (:func:`check_sample`).
 
     Raises:
         EmptySourceError, DuplicateKeyError, BrokenSymlinkError, SymlinkLoopError,
-        NonUtf8NameError, UnreadableFileError: per the ``on_error`` policy.
+        NonUtf8NameError, UnreadableFileError, SourceError: per the ``on_error`` policy.
     """
     if not files_from:
         walk = Walk(src, out, label_from_dir=label_from_dir, on_error=on_error,
-                    scan_threads=scan_threads)
+                    scan_threads=scan_threads, zstd=zstd)
         samples = list(walk)
         return ScanResult(samples, walk.labels, walk.files, walk.skipped,
                           walk.stats.read_threads)
@@ -724,6 +801,13 @@ def scan_source(
             continue
         stem, ext = base.split(".", 1)
         key = f"{d}/{stem}" if d else stem
+        if not key:  # a listed ".x.txt" at the top (listed hidden files are packed: d/.h.txt
+            # is key "d/", as WebDataset reads it)
+            problem("empty_key", SourceError(
+                f"{path}: a file whose name starts with a dot, at the top of SRC, has an empty "
+                "key, and WebDataset skips such a sample; rename it, move it into a folder, or "
+                "pass --on-error skip"))
+            continue
         entry = (ext, path, size, mtime)
         have = by_key.get(key)
         if have is None:
@@ -753,11 +837,11 @@ def scan_source(
         else:
             fl = [have[f] for f in sorted(have)]
             has_label_file = LABEL_FIELD in have
-        if len(fl) > 1 or label_from_dir:
-            clash = _case_clash(key, fl, label_from_dir and not has_label_file)
-            if clash is not None:
-                problem("duplicate_key", clash)
-                continue
+        checked = check_sample(key, fl, label_from_dir and not has_label_file, zstd)
+        if type(checked) is tuple:
+            problem(*checked)
+            continue
+        fl = checked
         if not label_from_dir:
             append(Sample(key, fl))
             continue

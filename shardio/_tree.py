@@ -79,6 +79,24 @@ class _Arr(NamedTuple):
     # True for a tensor, False for a numpy array, or the name of the torch dtype (a tensor
     # whose dtype numpy lacks: ``dtype`` is then the integer type of its bytes).
     tensor: bool | str
+    grad: int = 0  # a tensor that required grad: 1; an ``nn.Parameter``: 2 (as torch sends them)
+
+
+class _Map(NamedTuple):
+    """A mapping of a type other than ``dict`` (``OrderedDict``, ``defaultdict``, a batch class
+    deriving from dict): ``shell`` an empty copy of it, filled with ``items`` when the message is
+    read, as ``default_collate`` keeps the type of the mappings it collates."""
+
+    shell: Any
+    items: dict[Any, Any]
+
+
+class _Seq(NamedTuple):
+    """A tuple of a type other than ``tuple`` and named tuples (``torch.Size`` holding arrays,
+    say): rebuilt as ``kind(items)``, a plain tuple when that fails."""
+
+    kind: type
+    items: tuple[Any, ...]
 
 
 class _Pieces(NamedTuple):
@@ -357,24 +375,58 @@ class _Acc:
 def _leaf(x: Any, acc: _Acc) -> Any:
     tensor: bool | str = _is_tensor(x)
     if tensor or isinstance(x, np.ndarray):
+        grad = 0
         if tensor:
+            if x.requires_grad:
+                grad = 2 if type(x).__name__ == "Parameter" else 1
             got = _tensor_array(x)
             if got is None:
                 return x
             x, tensor = got
-        arr = np.ascontiguousarray(x)
+        # (np.ascontiguousarray makes a 0-d array 1-d: a scalar tensor came back of shape (1,))
+        arr = (x if type(x) is np.ndarray and x.flags.c_contiguous
+               else np.ascontiguousarray(x).reshape(x.shape))
         if arr.dtype.hasobject:
             return arr
-        return acc.add_array(arr, tensor)
+        placed = acc.add_array(arr, tensor)
+        return placed._replace(grad=grad) if grad else placed
     if isinstance(x, dict):
-        return {k: _leaf(v, acc) for k, v in x.items()}
+        items = {k: _leaf(v, acc) for k, v in x.items()}
+        return items if type(x) is dict else _mapping(x, items)
     if isinstance(x, list):
         return [_leaf(v, acc) for v in x]
     if isinstance(x, tuple):
+        built = tuple(_leaf(v, acc) for v in x)
         if _is_namedtuple(x):
-            return type(x)(*(_leaf(v, acc) for v in x))
-        return tuple(_leaf(v, acc) for v in x)
+            return type(x)(*built)
+        if type(x) is tuple:
+            return built
+        if all(a is b for a, b in zip(built, x)) and _picklable(x):
+            return x  # nothing in it moved into the message (a torch.Size): as it is
+        return _Seq(type(x), built)
     return x
+
+
+def _picklable(x: Any) -> bool:
+    try:
+        pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001  (anything a __reduce__ raises)
+        return False
+    return True
+
+
+def _mapping(x: dict[Any, Any], items: dict[Any, Any]) -> Any:
+    """``items`` (``x``'s, placed in the message) for a mapping ``x`` of another type than
+    dict: that type again where an empty copy of ``x`` pickles (see :class:`_Map`), else a
+    plain dict (a ``defaultdict`` of a lambda, ...)."""
+    import copy
+
+    try:
+        shell = copy.copy(x)
+        shell.clear()
+    except Exception:  # noqa: BLE001  (a mapping type that cannot be copied or cleared)
+        return items
+    return _Map(shell, items) if _picklable(shell) else items
 
 
 _NUMBER = (bool, np.bool_, int, np.integer, float, np.floating)
@@ -582,7 +634,8 @@ def _col(items: Sequence[Any], acc: _Acc, in_seq: bool = False) -> Any:
                      acc.add(bounds.dtype, bounds.shape, _copy_from(bounds), False).index)
         return _Tup(col) if in_seq else col
     if isinstance(first, dict):
-        return {k: _col([d[k] for d in items], acc) for k in first}
+        cols = {k: _col([d[k] for d in items], acc) for k in first}
+        return cols if type(first) is dict else _mapping(first, cols)
     if isinstance(first, (list, tuple)) and all(len(x) == len(first) for x in items):
         cols = [_col([x[i] for x in items], acc, True) for i in range(len(first))]
         if _is_namedtuple(first):
@@ -674,11 +727,24 @@ def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
             import torch
 
             t = t.view(getattr(torch, x.tensor))
+        if x.grad:
+            import torch
+
+            t = torch.nn.Parameter(t) if x.grad == 2 else t.requires_grad_(True)
         return t
     if isinstance(x, _Pieces):
         return _build_pieces(x, buf, table, how)
     if isinstance(x, _Tup):
         return tuple(_build(x.inner, buf, table, to_tensor, how))
+    if isinstance(x, _Map):
+        x.shell.update({k: _build(v, buf, table, to_tensor, how) for k, v in x.items.items()})
+        return x.shell
+    if isinstance(x, _Seq):
+        items = tuple(_build(v, buf, table, to_tensor, how) for v in x.items)
+        try:
+            return x.kind(items)
+        except Exception:  # noqa: BLE001  (a tuple type that does not take its items back)
+            return items
     if isinstance(x, _Bytes):
         off, nbytes = table[x.data]
         boff, bbytes = table[x.bounds]
@@ -693,6 +759,8 @@ def _build(x: Any, buf: np.ndarray, table: list[tuple[int, int]],
     if isinstance(x, list):
         return [_build(v, buf, table, to_tensor, how) for v in x]
     if isinstance(x, tuple):
+        if type(x) is not tuple and not _is_namedtuple(x):
+            return x  # a tuple type kept as it was (nothing of it in the message: see _leaf)
         items = (_build(v, buf, table, to_tensor, how) for v in x)
         return type(x)(*items) if _is_namedtuple(x) else tuple(items)
     return x

@@ -8,15 +8,13 @@ digest is ``xxh3_128`` over the whole file, kept as hex in the manifest.
 
 from __future__ import annotations
 
-import errno
-import os
-import stat
 import zlib
 from collections.abc import Callable
 from typing import Protocol
 
 import xxhash
 
+from ._fsutil import open_regular
 from .errors import UsageError
 
 __all__ = [
@@ -97,14 +95,7 @@ def file_digest(path: str, name: str = DEFAULT_DIGEST, block: int = 8 << 20) -> 
     total = 0
     buf = bytearray(block)
     view = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
-    except BaseException:
-        os.close(fd)
-        raise
-    with open(fd, "rb", buffering=0) as f:
+    with open(open_regular(path), "rb", buffering=0) as f:
         while True:
             n = f.readinto(buf)
             if not n:

@@ -178,8 +178,11 @@ def _cmd_pack(a: argparse.Namespace) -> int:
     print(f"packed {st['samples']} samples ({_human(st['raw_bytes'])}; {scanned}) "
           f"into {st['shards']} {m.shard_format} shards ({_human(st['shard_bytes'])}) in "
           f"{dt:.2f}s: {st['files_per_s']:.0f} files/s, {st['mb_per_s']:.1f} MB/s")
+    ratio = small / max(shards, 1)
+    fewer = (f"{ratio:.0f}x fewer" if ratio >= 1.95 else f"{ratio:.1f}x fewer" if ratio > 1
+             else "no fewer: a dataset this small gains nothing from shards")
     print(f"compression ratio {st['compression_ratio']:.2f}x; metadata operations per epoch "
-          f"{small} -> {shards} ({small / max(shards, 1):.0f}x fewer)")
+          f"{small} -> {shards} ({fewer})")
     if st.get("parity_bytes"):
         print(f"parity {a.parity}: {_human(st['parity_bytes'])} in {m.shard_format} groups")
     if st.get("layout"):

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import MissingDependencyError, UsageError
+from .errors import ManifestCorruptError, MissingDependencyError, UsageError
 
 __all__ = ["FLAG_ZSTD", "Codec", "parse_compress", "train_dictionary"]
 
@@ -84,8 +84,7 @@ class Codec:
         if self._pid != os.getpid():
             zstd = _zstd()
             d = zstd.ZstdCompressionDict(self.dictionary) if self.dictionary else None
-            # write_checksum off: shardio checksums every stored field itself.
-            self._c = zstd.ZstdCompressor(level=self.level, dict_data=d, write_content_size=True)
+            self._c = None  # made by the first encode: a reader never needs one
             self._d = zstd.ZstdDecompressor(dict_data=d)
             self._pid = os.getpid()
 
@@ -94,14 +93,38 @@ class Codec:
         if self.name is None or not data:
             return data, 0
         self._ensure()
+        if self._c is None:
+            zstd = _zstd()
+            d = zstd.ZstdCompressionDict(self.dictionary) if self.dictionary else None
+            # write_checksum off: shardio checksums every stored field itself.
+            self._c = zstd.ZstdCompressor(level=self.level, dict_data=d, write_content_size=True)
         packed = self._c.compress(data)
         if len(packed) < len(data):
             return packed, FLAG_ZSTD
         return data, 0
 
     def decode(self, stored: bytes | memoryview, flags: int, raw_length: int) -> bytes:
-        """Undo :meth:`encode`."""
+        """Undo :meth:`encode`.
+
+        Raises:
+            ManifestCorruptError: the field (whose stored bytes passed their checksum) does not
+                decode to its ``raw_length`` bytes with this codec: the dataset's compression
+                settings or zstd dictionary are not the ones it was packed with.
+        """
         if not flags & FLAG_ZSTD:
             return stored if isinstance(stored, bytes) else bytes(stored)
         self._ensure()
-        return self._d.decompress(stored, max_output_size=raw_length)  # type: ignore[no-any-return]
+        try:
+            out = self._d.decompress(stored, max_output_size=raw_length)
+        except _zstd().ZstdError as exc:
+            raise self._mismatch(str(exc)) from exc
+        if len(out) != raw_length:
+            raise self._mismatch(f"{len(out)} bytes, not {raw_length}")
+        return out  # type: ignore[no-any-return]
+
+    def _mismatch(self, why: str) -> ManifestCorruptError:
+        return ManifestCorruptError(
+            f"a zstd field does not decode ({why}) with the dataset's compression settings "
+            f"({self.name}, {'a' if self.dictionary else 'no'} dictionary): the manifest's "
+            "compression section or the dictionary file is not the one the shards were packed "
+            "with; restore them from a good copy of the dataset")

@@ -192,21 +192,30 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                                slice_size=u, canonical_ranks=q, remainder=o.remainder,
                                shuffle=o.shuffle, shuffle_block=o.shuffle_block)
 
-    def _node_params(self, batch_size: int) -> tuple[int, int, int]:
-        """(C, U, q) of the node-affine order: from a loaded state, else from this job."""
-        if self._node_order is None:
-            topo = self.topology
-            probe = NodeAffineOrder.for_job(
-                np.ones(1, np.int64), world_size=topo.world_size,
-                local_world_size=topo.local_world_size, batch_size=batch_size,
-                canonical_nodes=self.options.canonical_nodes, remainder=self.options.remainder)
-            self._node_order = (probe.canonical_nodes, probe.slice_size, probe.canonical_ranks)
-        return self._node_order
+    def _node_params(self, batch_size: int, settle: bool = True) -> tuple[int, int, int]:
+        """(C, U, q) of the node-affine order: from a loaded state, else from this job (its
+        batch size: the loader's, whose batches are cut from the order); the first iteration
+        settles them (``settle``), a checkpoint only looks."""
+        if self._node_order is not None:
+            return self._node_order
+        topo = self.topology
+        probe = NodeAffineOrder.for_job(
+            np.ones(1, np.int64), world_size=topo.world_size,
+            local_world_size=topo.local_world_size, batch_size=batch_size,
+            canonical_nodes=self.options.canonical_nodes, remainder=self.options.remainder)
+        params = (probe.canonical_nodes, probe.slice_size, probe.canonical_ranks)
+        if settle:
+            self._node_order = params
+        return params
 
-    def _order_state(self) -> dict[str, Any]:
+    def _order_state(self, batch_size: int | None = None) -> dict[str, Any]:
+        """The order's part of a checkpoint.  It does not settle the node order's parameters:
+        a checkpoint taken on one rank before the first batch (with the dataset's batch size,
+        not the loader's) froze them on that rank only, and the ranks then split different
+        orders (samples lost and others delivered twice)."""
         if self.options.order == "global":
             return {"kind": "global"}
-        c, u, q = self._node_params(self.options.batch_size)
+        c, u, q = self._node_params(batch_size or self.options.batch_size, settle=False)
         return {"kind": "node", "canonical_nodes": c, "slice_size": u, "canonical_ranks": q}
 
     # --- iteration ---------------------------------------------------------------------------

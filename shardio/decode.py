@@ -51,8 +51,10 @@ def _image(data: bytes, mode: str) -> np.ndarray:
             top = int(wide.max()) if wide.size else 0
             if (img.mode != "I" or top > 0xFF) and top <= 0xFFFF and int(wide.min()) >= 0:
                 narrow = (wide.astype(np.uint32) >> 8).astype(np.uint8)
-                return np.asarray(Image.fromarray(narrow, "L").convert(mode))
-        return np.asarray(img.convert(mode))
+                return np.array(Image.fromarray(narrow, "L").convert(mode))
+        # np.array, not np.asarray: an array over Pillow's bytes is read-only (torch warns at
+        # from_numpy and in-place augmentations fail); one copy, next to the decode itself.
+        return np.array(img.convert(mode))
 
 
 def decode_field(name: str, data: bytes, *, allow_pickle: bool = False,

@@ -30,7 +30,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._fsutil import atomic_write_bytes, check_relpath, translate_oserror
+from ._fsutil import atomic_write_bytes, check_relpath, read_regular, translate_oserror
 from .checksum import DEFAULT_DIGEST, DEFAULT_SAMPLE, digest_bytes
 from .errors import (
     ManifestCorruptError,
@@ -186,8 +186,7 @@ class Manifest:
         directory = os.fspath(directory)
         path = directory if directory.endswith(".json") else os.path.join(directory, MANIFEST_NAME)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = read_regular(path)
         except FileNotFoundError as exc:
             raise ManifestNotFoundError(
                 f"no manifest at {path}; create the dataset with `shardio pack SRC {directory}` "
@@ -224,10 +223,15 @@ _KIND_NAMES = {str: "a string", int: "a non-negative integer", dict: "an object"
                _NONE: "null"}
 
 
+# No count or size of a real dataset comes near this; past it int64 arithmetic overflows.
+_MAX_INT = 1 << 60
+
+
 def _expect(where: str, name: str, value: Any, kinds: tuple[type, ...]) -> None:
-    """Refuse ``value`` unless it is one of ``kinds`` (a bool is not an int; ints are >= 0)."""
+    """Refuse ``value`` unless it is one of ``kinds`` (a bool is not an int; ints are >= 0 and
+    below ``_MAX_INT``)."""
     if isinstance(value, bool) or not isinstance(value, kinds) or (
-            isinstance(value, int) and value < 0):
+            isinstance(value, int) and not 0 <= value < _MAX_INT):
         want = " or ".join(_KIND_NAMES[k] for k in kinds)
         raise ManifestCorruptError(
             f"{where}: {name} is {value!r}, not {want}; the manifest was edited or damaged: "
@@ -259,6 +263,10 @@ def _check_types(data: dict[str, Any], where: str) -> None:
     for name, kinds in _COMPRESSION_TYPES.items():
         if name in comp:
             _expect(where, f"compression.{name}", comp[name], kinds)
+    if comp and (comp.get("codec") not in ("zstd", None) or not 1 <= comp.get("level", 3) <= 22):
+        raise ManifestCorruptError(
+            f"{where}: compression is {comp!r}, not a setting shardio writes (codec zstd or "
+            "null, level 1 to 22); the manifest was edited or damaged: restore it")
     if comp.get("dictionary"):
         check_relpath(comp["dictionary"])
     labels = data.get("labels")

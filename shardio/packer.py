@@ -555,7 +555,8 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
             and _empty(out):
         return _pack_streaming(src, out, options, progress)
     scan = scan_source(src, out, files_from=flist, label_from_dir=options.label_from_dir,
-                       on_error=options.on_error, scan_threads=options.scan_threads)
+                       on_error=options.on_error, scan_threads=options.scan_threads,
+                       zstd=options.codec_name == "zstd")
     sizes = _drop_too_large(scan, options, _estimates(scan.samples, options))
     ranges = plan_shards(scan.samples, options, sizes)
     key = options.job_key()
@@ -574,7 +575,7 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
     codec = _codec(out, scan.samples, options, claims)
     _write_state(out, options, job, len(ranges), codec, fsync=options.fsync)
     tasks = _make_tasks(scan.samples, docs, ranges, range(len(ranges)), out, options,
-                        scan.threads)
+                        scan.threads, codec)
     bar = _progress_bar(progress, sum(s.size for s in scan.samples), f"packing {scan.files} files")
     written, skipped, layout_note, _kept = _write_shards(tasks, options, codec, out, bar)
     skipped.update(scan.skipped)
@@ -597,7 +598,7 @@ def _pack_streaming(src: str, out: str, options: PackOptions, progress: bool | N
     no manifest is, and a rerun after the fix resumes.
     """
     walk = Walk(src, out, label_from_dir=options.label_from_dir, on_error=options.on_error,
-                scan_threads=options.scan_threads)
+                scan_threads=options.scan_threads, zstd=options.codec_name == "zstd")
     codec = Codec(options.codec_name, options.codec_level, None)
     key = options.job_key()
     job = _JobHash()
@@ -684,13 +685,17 @@ def _codec(out: str, samples: list[Sample], options: PackOptions, claims: set[st
 
 
 def _make_tasks(samples: list[Sample], docs: list[str], ranges: list[tuple[int, int]],
-                numbers: range, out: str, options: PackOptions, read_threads: int = 1
-                ) -> list[_Task]:
+                numbers: range, out: str, options: PackOptions, read_threads: int = 1,
+                codec: Codec | None = None) -> list[_Task]:
     """The write tasks of global shards ``numbers`` (their names and fingerprints are global,
     so a shard is the same file whichever process, or part, writes it); ``docs`` are the
-    samples' job-document entries."""
+    samples' job-document entries.  A shard compressed with a zstd dictionary (``codec``'s)
+    decodes only with that one: its fingerprint covers the dictionary's digest, so a rerun
+    never keeps a shard compressed with another (a job whose input changed trains another)."""
     suffix = shard_suffix(options.format)
     options_text = _canonical(options.job_key())
+    if codec is not None and codec.dictionary:
+        options_text += f"|zstd.dict={digest_bytes(codec.dictionary)}"
     tasks = []
     for n in numbers:
         a, b = ranges[n]

@@ -100,10 +100,11 @@ def _prepare_out(out: str, job: str, options: PackOptions) -> Manifest | None:
         _remove_parity(out)
         names = [n for n in names if not _ours(n, options.prefix) and n != "parity"]
     state = _read_json(os.path.join(out, STATE_NAME))
-    # (job None: a streaming pack stopped before its scan ended; then the options must match)
-    if state is not None and (state.get("job") == job or (
-            state.get("job") is None
-            and state.get("options") == _fingerprint(options.job_key()))):
+    # An unfinished run of this job, or of these options over an input that changed since (or
+    # that a streaming pack had not finished scanning: job None): each shard it published is
+    # kept only if its own fingerprint (its files' sizes and mtimes) and bytes still match.
+    if state is not None and (state.get("job") == job
+                              or state.get("options") == _fingerprint(options.job_key())):
         remove_temp_files(out)
         remove_temp_files(os.path.join(out, PARITY_DIR))  # a run killed while writing parity
         return None
@@ -124,13 +125,14 @@ def _prepare_out(out: str, job: str, options: PackOptions) -> Manifest | None:
             return existing
     if options.resume:
         raise OutputNotEmptyError(
-            f"--resume: {out} holds no unfinished run of this job (the input or the options "
-            "changed); rerun without --resume and with --overwrite to start over"
+            f"--resume: {out} holds no unfinished run of a pack with these options (a finished "
+            "pack, or one with other options); rerun without --resume and with --overwrite to "
+            "start over"
         )
     if names and not options.overwrite:
         raise OutputNotEmptyError(
-            f"OUT {out} is not empty and holds no unfinished run of this job; pass --overwrite to "
-            "replace the shardio files in it, or choose an empty directory"
+            f"OUT {out} is not empty and holds no unfinished run of a pack with these options; "
+            "pass --overwrite to replace the shardio files in it, or choose an empty directory"
         )
     return None
 

@@ -51,7 +51,7 @@ from .errors import (
 )
 from .formats import WrittenShard, shard_suffix
 from .manifest import MANIFEST_NAME, Manifest
-from .topology import Topology
+from .topology import rank_from_env
 
 __all__ = ["PartResult", "merge", "split_plan"]
 
@@ -143,8 +143,12 @@ def split_plan(shard_bytes: list[int], parts: int) -> list[tuple[int, int]]:
 def _resolve_part(spec: tuple[int, int] | str | None) -> tuple[int, int] | None:
     if spec != "auto":
         return spec  # type: ignore[return-value]  (PackOptions parsed it to (I, N) or None)
-    topology = Topology.from_env()
-    return topology.rank, topology.world_size
+    # (only the rank and the world: local ranks play no part in choosing a part)
+    rank, world = rank_from_env()
+    if world < 1 or not 0 <= rank < world:
+        raise UsageError(f"--part auto: rank {rank} of world size {world} from the launcher's "
+                         "variables is no part; pass --part I/N")
+    return rank, world
 
 
 def _record_name(part: int, parts: int) -> str:
@@ -187,7 +191,7 @@ def _pack_part(jb: _Job, part: tuple[int, int], progress: bool | None) -> PartRe
     if dict_digest:
         write_state(dict_digest)
     tasks = _make_tasks(jb.scan.samples, jb.docs, jb.ranges, range(first, stop), out, options,
-                        jb.scan.threads)
+                        jb.scan.threads, codec)
     bar = _progress_bar(progress, sum(s.size for t in tasks for s in t.samples),
                         f"packing part {index}/{parts} "
                         f"(shards {first}..{max(first, stop - 1)})")
@@ -534,16 +538,18 @@ def merge(out: str | os.PathLike[str], *, verify: bool = False) -> Manifest:
             f"I/N` for every part I of N first, then `shardio merge {out}`"
         )
     records = [(n, _load_record(os.path.join(out, n))) for n in found]
-    ordered = _check_parts(out, records, names)
-    head = ordered[0]
     if MANIFEST_NAME in names:
         try:
             existing: Manifest | None = Manifest.load(out)
         except ShardioError:
             existing = None
-        if existing is not None and existing.job == head["job"]:
-            _remove_part_files(out)  # a merge that stopped right after publishing
+        # A merge that stopped right after publishing (or while it removed the records, some
+        # then gone: the check of the parts below would ask for them again, for ever).
+        if existing is not None and all(doc.get("job") == existing.job for _n, doc in records):
+            _remove_part_files(out)
             return existing
+    ordered = _check_parts(out, records, names)
+    head = ordered[0]
     written = _merged_shards(out, ordered, verify)
     options = PackOptions(**head["options"], fsync=all(d.get("fsync", True) for d in ordered))
     dictionary = None

@@ -689,50 +689,56 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
     bind = getattr(job, "bind_worker", None)
     if bind is not None:
         bind(index, num_workers)  # which worker this process is (the job's begin() runs later)
-    cmd = None
-    while True:
-        if cmd is None:
-            cmd = control.read()
-        if cmd is None or cmd[0] == Cmd.STOP:
-            return
-        if cmd[0] == Cmd.RING:  # came while idle (its epoch was abandoned)
-            out.attach(cmd[1], cmd[2])
-            cmd = None
-            continue
-        _, generation, spec, runs = cmd
+    try:
         cmd = None
-        if gen.value != generation:  # superseded before it started: not worth a begin()
-            continue
-        step = runs[0][0] if runs else -1
-        try:
-            job.begin(spec)
-            for step in itertools.chain.from_iterable(runs):
-                if gen.value != generation:
-                    break
-                plan, times = job.produce(step)
-                if out.ring is None:
-                    cmd = out.await_ring(control, max(plan.nbytes, plan.size_hint))
-                    if cmd is _GONE:
-                        return
-                    if cmd is _NO_RING:  # reported: main closes the pool
-                        cmd = None
-                        break
-                    if cmd is not None:  # a newer command: this batch is not wanted any more
-                        break
-                sent = out.deliver(plan, step, times, generation)
-                # Written: let the batch go now, not when the next one is made, so a worker's
-                # heap holds one batch, not two (and its first two batches reuse one set of pages).
-                plan = None
-                if sent == Sent.CLOSED:
-                    return
-                if sent == Sent.ABANDONED:
-                    break
-        except BaseException as exc:  # noqa: BLE001 - everything goes back to main
-            if out.ring is not None:
-                out.ring.abort()
-            plan = error_message(exc, traceback.format_exc())
-            if out.deliver(plan, step, [], generation, kind=KIND_ERROR) == Sent.CLOSED:
+        while True:
+            if cmd is None:
+                cmd = control.read()
+            if cmd is None or cmd[0] == Cmd.STOP:
                 return
+            if cmd[0] == Cmd.RING:  # came while idle (its epoch was abandoned)
+                out.attach(cmd[1], cmd[2])
+                cmd = None
+                continue
+            _, generation, spec, runs = cmd
+            cmd = None
+            if gen.value != generation:  # superseded before it started: not worth a begin()
+                continue
+            step = runs[0][0] if runs else -1
+            try:
+                job.begin(spec)
+                for step in itertools.chain.from_iterable(runs):
+                    if gen.value != generation:
+                        break
+                    plan, times = job.produce(step)
+                    if out.ring is None:
+                        cmd = out.await_ring(control, max(plan.nbytes, plan.size_hint))
+                        if cmd is _GONE:
+                            return
+                        if cmd is _NO_RING:  # reported: main closes the pool
+                            cmd = None
+                            break
+                        if cmd is not None:  # a newer command: this batch is not wanted any more
+                            break
+                    sent = out.deliver(plan, step, times, generation)
+                    # Written: let the batch go now, not when the next one is made, so a
+                    # worker's heap holds one batch, not two (and its first two batches reuse
+                    # one set of pages).
+                    plan = None
+                    if sent == Sent.CLOSED:
+                        return
+                    if sent == Sent.ABANDONED:
+                        break
+            except BaseException as exc:  # noqa: BLE001 - everything goes back to main
+                if out.ring is not None:
+                    out.ring.abort()
+                plan = error_message(exc, traceback.format_exc())
+                if out.deliver(plan, step, [], generation, kind=KIND_ERROR) == Sent.CLOSED:
+                    return
+    finally:
+        # (closed here, not left to the process's exit: an unclosed socket is a
+        # ResourceWarning per worker per epoch where warnings show, as under pytest)
+        control.sock.close()
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from . import _inject
-from ._fsutil import resolve_in, translate_oserror
+from ._fsutil import read_regular, resolve_in, translate_oserror
 from .checksum import digest_bytes
 from .codec import Codec
 from .errors import (
@@ -54,8 +54,7 @@ def load_dictionary(root: str, manifest: Manifest, replicas: Sequence[str] = ())
     for base in (root, *replicas):
         path = resolve_in(base, comp["dictionary"])
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = read_regular(path)
         except OSError as exc:
             why.append(f"{path}: {exc.strerror or exc}")
             continue
@@ -249,7 +248,7 @@ class DatasetReader:
             self.counters.add("opens")
             index = self._load_index(path)
             if (entry.index_digest and index.digest != entry.index_digest
-                    and not rebuilt_index_matches(index.meta, entry)):
+                    and not rebuilt_index_matches(index, entry)):
                 # Self-consistent, but not the index the dataset was packed with: a replica or
                 # copy of another version of the shard (its fields would pass their checksums).
                 # (Save one read from a verified copy of the shard after a parity rebuild: see

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.sharedctypes import RawArray
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._atomics import fetch_add_u64, load_u64
 from ._fsutil import resolve_in, tmp_name, translate_oserror
@@ -61,6 +61,9 @@ from .errors import (
     UsageError,
 )
 from .manifest import Manifest, ShardEntry
+
+if TYPE_CHECKING:
+    from .formats.base import ShardIndex
 
 __all__ = ["COUNTERS", "FAULTS", "CopyLadder", "RepairCounters", "RepairReport",
            "fault_kind", "repair_dataset"]
@@ -219,11 +222,12 @@ class CopyLadder:
             self._bad_samples.setdefault(i, set()).add((copy.path, sample))
         self._attempts.setdefault(i, []).append((f"{copy.kind} {copy.path}", kind))
         self._last[i] = exc
-        log.warning("shard %s: %s copy failed (%s: %s); trying the next copy",
-                    self.entry(i).path, copy.kind, kind, exc)
         if copy.kind == "cache" and self.cache is not None:
             self.cache.discard(i, kind)
             self.counters.add("cache_discarded")
+        log.warning("shard %s: %s copy failed (%s: %s); %s", self.entry(i).path, copy.kind,
+                    kind, exc, "trying the next copy" if self.copies(i, sample)
+                    else "no other copy (add replicas=, or pack with --parity)")
 
     def recovered(self, i: int, copy: Copy) -> None:
         """A read from ``copy`` succeeded after earlier copies failed: restore the original from
@@ -346,7 +350,10 @@ def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:
     # The shard was verified against its manifest digest: an index read from it, as shardio
     # wrote it, says where its samples are (the packer's own index records the pack job too,
     # so this one's digest differs from the manifest's: see DatasetReader._open_copy).
-    index, _ = index_tar(shard_path, ladder.manifest.checksum, webdataset=False)
+    m = ladder.manifest
+    zstd = (m.compression or {}).get("codec") == "zstd"
+    index, _ = index_tar(shard_path, m.checksum, webdataset=False,
+                         zstd_fields=set(m.fields) if zstd else None)
     index.meta.update(shard_bytes=entry.bytes, shard_digest=entry.digest, rebuilt=True)
     tmp = tmp_name(dest)
     with open(tmp, "wb") as f:
@@ -354,12 +361,16 @@ def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:
     os.replace(tmp, dest)
 
 
-def rebuilt_index_matches(meta: dict[str, Any], entry: ShardEntry) -> bool:
-    """Whether an index (its ``meta``) whose digest is not the manifest's was read from a copy of
-    the shard that matched the manifest, by :func:`_ensure_index`: it then says where that
-    shard's samples are as well as the packer's own (whose digest also covers the pack job)."""
+def rebuilt_index_matches(index: ShardIndex, entry: ShardEntry) -> bool:
+    """Whether an index whose digest is not the manifest's was read from a copy of the shard that
+    matched the manifest, by :func:`_ensure_index`: it then says where that shard's samples are
+    as well as the packer's own (whose digest also covers the pack job).  Its sample count and
+    sizes must be the manifest's too: one that took a compressed field for a raw one has other
+    raw bytes."""
+    meta = index.meta
     return (bool(meta.get("rebuilt")) and meta.get("shard_digest") == entry.digest
-            and meta.get("shard_bytes") == entry.bytes)
+            and meta.get("shard_bytes") == entry.bytes and len(index) == entry.samples
+            and index.stored_bytes == entry.stored_bytes and index.raw_bytes == entry.raw_bytes)
 
 
 def index_file_ok(path: str, entry: ShardEntry) -> bool:
@@ -374,7 +385,7 @@ def index_file_ok(path: str, entry: ShardEntry) -> bool:
             index = ShardIndex.from_bytes(f.read(), path)
     except (OSError, ShardioError):
         return False
-    return rebuilt_index_matches(index.meta, entry) and len(index) == entry.samples
+    return rebuilt_index_matches(index, entry)
 
 
 def _copy_index(src: str, dest: str, entry: ShardEntry) -> bool:

@@ -26,14 +26,26 @@ def describe(root: str | os.PathLike[str]) -> dict[str, Any]:
         "fields": m.fields,
         "checksum": {"sample": m.checksum, "shard": m.digest},
         "compression": m.compression,
-        "compression_ratio": stats.get("compression_ratio"),
+        # (stats are informative, written by the pack: values of another type are left out)
+        "compression_ratio": _number(stats.get("compression_ratio")),
         "labels": m.label_names,
-        "skipped": stats.get("skipped", {}),
+        "skipped": _counts(stats.get("skipped")),
         "shard_list": [
             {"path": s.path, "samples": s.samples, "bytes": s.bytes, "digest": s.digest}
             for s in m.shards
         ],
     }
+
+
+def _number(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok else None
+
+
+def _counts(value: Any) -> dict[str, int]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): v for k, v in value.items() if type(v) is int}
 
 
 def _human(n: float) -> str:
@@ -48,7 +60,8 @@ def format_description(d: dict[str, Any], listing: bool = True) -> str:
     """Human-readable rendering of :func:`describe`."""
     comp = d["compression"]
     comp_text = "none" if not comp else (
-        f"{comp['codec']}:{comp['level']}" + (" + dictionary" if comp.get("dictionary") else "")
+        f"{comp.get('codec')}:{comp.get('level')}"
+        + (" + dictionary" if comp.get("dictionary") else "")
         + (f" (ratio {d['compression_ratio']:.2f}x)" if d["compression_ratio"] is not None
            else " (ratio unknown)")
     )

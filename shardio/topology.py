@@ -14,8 +14,10 @@ from .errors import UsageError
 
 __all__ = ["Topology", "discover_cpus", "numa_nodes"]
 
-_RANK_VARS = (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"),
-              ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+# The launcher's own variables first: mpirun inside a Slurm allocation leaves the batch step's
+# SLURM_PROCID=0/SLURM_NTASKS=1 in every rank's environment.
+_RANK_VARS = (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+              ("PMI_RANK", "PMI_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
 _LOCAL_VARS = (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
                ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
 
@@ -53,11 +55,7 @@ class Topology:
         """Read rank and world size from torchrun (``RANK``/``WORLD_SIZE``), Slurm
         (``SLURM_PROCID``/``SLURM_NTASKS``), Open MPI or PMI variables; single process otherwise."""
         env = os.environ if env is None else env
-        rank, world = 0, 1
-        for r, w in _RANK_VARS:
-            if r in env and w in env:
-                rank, world = int(env[r]), int(env[w])
-                break
+        rank, world = rank_from_env(env)
         local, local_world = local_from_env(env) or (rank, world)
         return cls(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
 
@@ -74,14 +72,42 @@ class Topology:
                    local_world_size=local[1])
 
 
+def rank_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """``(rank, world size)`` from torchrun, Open MPI, PMI or Slurm variables (the first pair
+    set, in that order); ``(0, 1)`` when none is.
+
+    Raises:
+        UsageError: a variable of that pair is not a number (an empty ``WORLD_SIZE=``, ...).
+    """
+    env = os.environ if env is None else env
+    for r, w in _RANK_VARS:
+        if r in env and w in env:
+            return _env_number(env, r), _env_number(env, w)
+    return 0, 1
+
+
 def local_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
     """``(local rank, ranks on this node)`` from torchrun, Slurm or Open MPI variables, or
-    ``None`` when none is set."""
+    ``None`` when none is set.
+
+    Raises:
+        UsageError: a variable of that pair is not a number.
+    """
     env = os.environ if env is None else env
     for r, w in _LOCAL_VARS:
         if r in env and w in env:
-            return int(env[r]), int(env[w].split("(")[0].split(",")[0])
+            # SLURM_NTASKS_PER_NODE reads like "2(x3),1" on uneven allocations.
+            return _env_number(env, r), _env_number(env, w, env[w].split("(")[0].split(",")[0])
     return None
+
+
+def _env_number(env: Mapping[str, str], name: str, text: str | None = None) -> int:
+    value = env[name] if text is None else text
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={env[name]!r} is not a number: the job "
+                         "launcher set it wrong, or unset it") from None
 
 
 def numa_nodes(sysfs: str = "/sys/devices/system/node") -> dict[int, list[int]]:

@@ -26,12 +26,16 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
-from ._fsutil import TMP_MARK, resolve_in
+import numpy as np
+
+from ._fsutil import TMP_MARK, open_regular, read_regular, resolve_in
 from .checksum import digest_bytes, file_digest
+from .codec import FLAG_ZSTD, Codec
 from .errors import ShardioError
 from .formats import Problem, ShardIndex, load_index, verify_fields
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, _body_digest, _canonical_json
 from .parity import PARITY_DIR, PARITY_FILE
+from .reader import load_codec
 from .repair import rebuilt_index_matches
 
 __all__ = ["Problem", "verify_dataset"]
@@ -84,17 +88,21 @@ def _load_index_isolated(fmt: str, path: str, timeout: float = _PARSE_TIMEOUT) -
     return value if ok else str(value)
 
 
-def _verify_shard(root: str, fmt: str, entry: ShardEntry, algorithm: str) -> list[Problem]:
+def _verify_shard(root: str, fmt: str, entry: ShardEntry, algorithm: str,
+                  codec: Codec | None = None) -> list[Problem]:
     problems: list[Problem] = []
     try:
-        _check_shard(root, fmt, entry, algorithm, problems)
+        _check_shard(root, fmt, entry, algorithm, problems, codec)
     except Exception as exc:  # noqa: BLE001  (a finding, not a crash: the rest is still checked)
         problems.append(Problem(entry.path, f"cannot verify ({type(exc).__name__}: {exc})"))
     return problems
 
 
 def _check_shard(root: str, fmt: str, entry: ShardEntry, algorithm: str,
-                 problems: list[Problem]) -> None:
+                 problems: list[Problem], codec: Codec | None = None) -> None:
+    """Append what is wrong with one shard: its bytes, its index, every field's checksum, and
+    whether its compressed fields decode with the dataset's ``codec`` (None: the manifest's
+    compression settings or dictionary could not be loaded, a problem reported already)."""
     path = resolve_in(root, entry.path)
     if not os.path.exists(path):
         problems.append(Problem(entry.path, "missing shard (listed in the manifest, not on disk)"))
@@ -117,7 +125,7 @@ def _check_shard(root: str, fmt: str, entry: ShardEntry, algorithm: str,
         except ShardioError as exc:
             index = str(exc)
     if entry.index is not None and entry.index_digest and idigest != entry.index_digest and (
-            isinstance(index, str) or not rebuilt_index_matches(index.meta, entry)):
+            isinstance(index, str) or not rebuilt_index_matches(index, entry)):
         # (An index read from a verified copy of the shard after a parity rebuild is not the
         # packer's, but says the same: its samples are checked below like any other's.)
         problems.append(Problem(entry.index, "index digest mismatch",
@@ -125,11 +133,47 @@ def _check_shard(root: str, fmt: str, entry: ShardEntry, algorithm: str,
     if isinstance(index, str):
         problems.append(Problem(entry.index or entry.path, f"unreadable index: {index}"))
         return
+    if (entry.index is None and entry.index_digest and index.digest != entry.index_digest
+            and not rebuilt_index_matches(index, entry)):
+        # An HDF5 shard's index digest is inside it (readers refuse one that differs).
+        problems.append(Problem(entry.path, "index digest mismatch",
+                                expected=entry.index_digest, found=index.digest or "none"))
     if len(index) != entry.samples:
         problems.append(Problem(entry.path, "sample count differs from the manifest",
                                 expected=str(entry.samples), found=str(len(index))))
+    fields = verify_fields(path, index)
     problems.extend(Problem(entry.path, p.what, p.key, p.field, p.offset, p.expected, p.found)
-                    for p in verify_fields(path, index))
+                    for p in fields)
+    if not fields:
+        _check_decode(path, entry, index, codec, problems)
+
+
+def _check_decode(path: str, entry: ShardEntry, index: ShardIndex, codec: Codec | None,
+                  problems: list[Problem]) -> None:
+    """The shard's first compressed field (its stored bytes checked) decodes with ``codec``:
+    compression settings or a dictionary that are not the pack's pass every checksum, and
+    every reader then fails."""
+    rows = np.flatnonzero(index.f_flags & FLAG_ZSTD)
+    if not len(rows):
+        return
+    if codec is None:
+        return
+    r = int(rows[0])
+    k = int(np.searchsorted(index.sample_start, r, side="right")) - 1
+    where = (index.key(k), index.field_names[int(index.f_name[r])], int(index.f_offset[r]))
+    if codec.name != "zstd":
+        problems.append(Problem(entry.path, "zstd-compressed fields, but the manifest's "
+                                "compression names no zstd codec", *where))
+        return
+    fd = open_regular(path)
+    try:
+        stored = os.pread(fd, int(index.f_length[r]), int(index.f_offset[r]))
+    finally:
+        os.close(fd)
+    try:
+        codec.decode(stored, FLAG_ZSTD, int(index.f_raw_length[r]))
+    except ShardioError as exc:
+        problems.append(Problem(entry.path, f"compressed field does not decode: {exc}", *where))
 
 
 def _check_file(path: str, rel: str, size: int, digest: str, kind: str, algorithm: str,
@@ -180,8 +224,7 @@ def _parity_files(manifest: Manifest) -> tuple[list[tuple[str, int, str]], list[
 def _manifest_problems(root: str) -> tuple[Manifest | None, list[Problem]]:
     problems = []
     try:
-        with open(os.path.join(root, MANIFEST_NAME), "rb") as f:
-            raw = f.read()
+        raw = read_regular(os.path.join(root, MANIFEST_NAME))
         data = json.loads(raw)
     except (OSError, ValueError):
         data = None  # Manifest.load says what is wrong
@@ -211,8 +254,7 @@ def _manifest_problems(root: str) -> tuple[Manifest | None, list[Problem]]:
             problems.append(Problem(comp["dictionary"], "missing zstd dictionary"))
         else:
             try:
-                with open(dpath, "rb") as f:
-                    dict_digest = digest_bytes(f.read())
+                dict_digest = digest_bytes(read_regular(dpath))
             except OSError as exc:
                 problems.append(Problem(comp["dictionary"], f"read error ({exc.strerror or exc})"))
             else:
@@ -259,8 +301,12 @@ def verify_dataset(root: str | os.PathLike[str], workers: int = 1) -> list[Probl
     listed = None if parity_problems else {
         os.path.normpath(rel) for rel, _size, _digest in parity if isinstance(rel, str)}
     problems += _extra_files(root, manifest, listed)
+    try:
+        codec: Codec | None = load_codec(root, manifest)
+    except ShardioError:  # a bad dictionary file: listed by _manifest_problems
+        codec = None
     jobs: list[tuple[str, Callable[..., list[Problem]], tuple[Any, ...]]] = [
-        (e.path, _verify_shard, (root, manifest.shard_format, e, manifest.digest))
+        (e.path, _verify_shard, (root, manifest.shard_format, e, manifest.digest, codec))
         for e in manifest.shards]
     jobs += [(str(rel), _verify_parity_file, (root, rel, size, digest, manifest.digest))
              for rel, size, digest in parity]

@@ -651,6 +651,7 @@ def test_decode_images_and_labels(image_tree: Path, tmp_path: Path) -> None:
         img, cls = sample["jpg"], sample["cls"]
         assert isinstance(img, np.ndarray) and img.dtype == np.uint8
         assert img.ndim == 3 and img.shape[2] == 3
+        assert img.flags.writeable  # (it was not: torch warned at from_numpy)
         assert type(cls) is int
         cdir = sample["__key__"].split("/")[0]
         assert cls == classes.index(cdir)

@@ -83,6 +83,28 @@ def test_loader_with_node_order_matches_the_dataset(data: Path) -> None:
     assert got == expected
 
 
+@pytest.mark.parametrize("early", ["loader", "dataset"])
+def test_a_checkpoint_before_the_first_batch_on_one_rank_does_not_change_its_order(
+        data: Path, early: str) -> None:
+    """README's ShardLoader example leaves the dataset's batch_size at 1: a state_dict() taken
+    by rank 0 alone before its first batch (an initial checkpoint) froze the node order's slice
+    size from that batch size on rank 0 only, so the ranks split two different orders: 60
+    samples, 2 ranks, 17 lost and 17 delivered twice."""
+    keys = lambda b: [s["__key__"] for s in b]  # noqa: E731
+    got, states = [], []
+    for rank in range(2):
+        ds = shardio.ShardDataset(data, seed=2, order="node", topology=topo(rank, 2, 1))
+        with shardio.ShardLoader(ds, batch_size=4, num_workers=0, collate_fn=keys) as loader:
+            loader.set_epoch(0)
+            if rank == 0:
+                states.append(loader.state_dict() if early == "loader" else ds.state_dict(0))
+            got += [k for b in loader for k in b]
+            states.append(loader.state_dict())
+    assert sorted(got) == sorted(shard_of(data))  # 60 samples, 2 x 30: each exactly once
+    if early == "loader":  # the loader's checkpoint names its own batches' slice size
+        assert states[0]["order"] == states[1]["order"] == states[2]["order"]
+
+
 def test_staged_node_order_copies_only_the_nodes_shards(data: Path, tmp_path: Path) -> None:
     cache = tmp_path / "nvme"
     cache.mkdir()

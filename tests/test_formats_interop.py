@@ -198,16 +198,18 @@ def test_index_groups_members_as_webdataset_does(cli: CLI, tmp_path: Path) -> No
     assert read_all(ds) == reference
 
 
-@pytest.mark.parametrize("case", ["duplicate", "sparse"])
+@pytest.mark.parametrize("case", ["duplicate", "reserved", "sparse"])
 def test_index_refuses_what_it_cannot_read_right(case: str, cli: CLI, tmp_path: Path) -> None:
     """A sample with a field twice (WebDataset raises too; shardio kept the second and lost the
-    first) and a GNU sparse member (shardio read its stored bytes as if whole: the next
-    members' headers and data) are typed errors; nothing is published."""
+    first), a field named ``__key__`` (WebDataset raises; shardio's sample had the member's
+    bytes for its key) and a GNU sparse member (shardio read its stored bytes as if whole: the
+    next members' headers and data) are typed errors; nothing is published."""
     ds = tmp_path / "ds"
     ds.mkdir()
     tar = ds / "x.tar"
-    if case == "duplicate":
-        _tar_of(tar, [("a.jpg", b"1"), ("a.jpg", b"2"), ("b.jpg", b"3")])
+    if case in ("duplicate", "reserved"):
+        second = "a.jpg" if case == "duplicate" else "a.__key__"
+        _tar_of(tar, [("a.jpg", b"1"), (second, b"2"), ("b.jpg", b"3")])
         with pytest.raises(ValueError, match="duplicate"):
             webdataset_samples([str(tar)])
     else:
@@ -221,8 +223,9 @@ def test_index_refuses_what_it_cannot_read_right(case: str, cli: CLI, tmp_path: 
                         "b.bin"], check=True, timeout=30)
     rc, _out, err = cli("index", tar)
     assert rc == 1
-    assert ("DuplicateKeyError" in err and "twice" in err) if case == "duplicate" else (
-        "NotATarError" in err and "sparse" in err)
+    assert {"duplicate": "DuplicateKeyError" in err and "twice" in err,
+            "reserved": "DuplicateKeyError" in err and "'__key__'" in err,
+            "sparse": "NotATarError" in err and "sparse" in err}[case], err
     assert sorted(p.name for p in ds.iterdir()) == ["x.tar"]
 
 

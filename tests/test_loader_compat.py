@@ -272,6 +272,7 @@ def test_a_dataloader_call_works_unchanged(text: Path) -> None:
     ({"pin_memory_device": "xpu"}, "CUDA only"),
     ({"in_order": "no"}, "in_order must be"),
     ({"prefetch_factor": 0}, "prefetch_factor must be"),
+    ({"prefetch_factor": 2, "num_workers": 0}, "with num_workers=0 leave it None"),
 ])
 def test_dataloader_arguments_it_cannot_honour(text: Path, kwargs: dict[str, Any],
                                                match: str) -> None:
@@ -455,20 +456,28 @@ def test_state_after_the_datasets_set_epoch(text: Path, workers: int,
     assert sum(1 for _ in again) == len(loader)
 
 
+@pytest.mark.parametrize("workers,persistent", [(0, True), (2, False)])
 def test_superseded_iterator_without_workers(text: Path,
-                                             make_loader: Callable[..., ShardLoader]) -> None:
+                                             make_loader: Callable[..., ShardLoader],
+                                             workers: int, persistent: bool) -> None:
     """With num_workers=0 as with workers, a newer iter(loader) makes the older one raise (it
-    went on producing, and state_dict() counted both iterators' batches)."""
-    loader = make_loader(ShardDataset(text, batch_size=4), 4, num_workers=0)
+    went on producing, and state_dict() counted both iterators' batches).  With
+    persistent_workers=False the newer iteration, run to its end, closed the pool, and the older
+    one said "the worker pool is closed; create a new loader" (a WorkerError)."""
+    loader = make_loader(ShardDataset(text, batch_size=4), 4, num_workers=workers,
+                         persistent_workers=persistent)
     first = iter(loader)
     for _ in range(3):
         next(first)
     second = iter(loader)
     next(second)
     next(second)
+    if not persistent:
+        assert sum(1 for _ in second) == len(loader) - 2  # its end closes the pool
     with pytest.raises(UsageError, match="superseded"):
         next(first)
-    assert loader.state_dict()["cursor"] == 8
+    if persistent:
+        assert loader.state_dict()["cursor"] == 8
     for batch_size in (2.5, "8", True):
         with pytest.raises(UsageError, match="batch_size"):
             ShardLoader(ShardDataset(text, batch_size=4), batch_size, num_workers=0)

@@ -161,8 +161,13 @@ def test_pack_verify_inspect(cli: Cli, image_tree: Path, tmp_path: Path) -> None
     assert re.search(r"compression ratio 1\.00x", stdout), stdout
     small, shards = m.stats["metadata_ops_small_files"], m.stats["metadata_ops_shards"]
     assert (small, shards) == (120, 16)
-    assert f"metadata operations per epoch {small} -> {shards}" in stdout
+    assert f"metadata operations per epoch {small} -> {shards} (8x fewer)" in stdout
     assert f"manifest: {out / 'manifest.json'}" in stdout
+    # One 1-file sample: 2 operations then (open, read), 4 now (two files): not "0x fewer".
+    one = write_files(tmp_path / "one", {"x.txt": b"1"})
+    rc, stdout, err = cli("pack", one, tmp_path / "one_out")
+    assert rc == 0, err
+    assert "metadata operations per epoch 2 -> 4 (no fewer: " in stdout, stdout
     assert temp_files(out) == [] and sorted(os.listdir(out)) == sorted(
         ["manifest.json"] + [f"shard-{i:06d}.tar{x}" for i in range(4) for x in ("", ".idx")])
 
@@ -576,7 +581,7 @@ def test_resume_after_sigint(big_tree: Path, clean_pack: Path, tmp_path: Path) -
     # The unfinished run belongs to this exact job: another command may neither resume it nor
     # write over it without --overwrite.
     proc = run_child(_pack_cmd(big_tree, out, "--resume", "--compress", "zstd"))
-    assert proc.returncode == 2 and "no unfinished run of this job" in proc.stderr
+    assert proc.returncode == 2 and "no unfinished run of a pack with these options" in proc.stderr
     proc = run_child(["-m", "shardio", "pack", str(big_tree), str(out)])
     assert proc.returncode == 2 and "--overwrite" in proc.stderr
 
@@ -846,6 +851,102 @@ def test_fields_that_differ_only_by_case(tmp_path: Path, files_from: bool) -> No
     expect_error(src, tmp_path / "out3", DuplicateKeyError, ["'a/s2'", "'CLS'", "label"],
                  label_from_dir=True, **kw)
     expect_skip(src, tmp_path / "skip", "duplicate_key", 5, label_from_dir=True, **kw)
+
+
+def _listing(src: Path, lst: Path) -> Path:
+    """A --files-from list of every file in ``src`` (hidden ones included)."""
+    lst.write_text("".join(f"{p.relative_to(src)}\n" for p in sorted(src.rglob("*"))
+                           if p.is_file()))
+    return lst
+
+
+@pytest.mark.parametrize("files_from", [False, True])
+@pytest.mark.parametrize("name,cls,kind,words", [  # the first two spoil sample a/s1
+    ("a/s1.__key__", DuplicateKeyError, "duplicate_key", ["'a/s1'", "'__key__'", "WebDataset"]),
+    ("a/s1.__URL__", DuplicateKeyError, "duplicate_key", ["'a/s1'", "'__url__'", "WebDataset"]),
+    ("__a.b__", SourceError, "reserved_name", ["'__a'", "WebDataset skips"]),
+    ("__meta__/x.txt", SourceError, "reserved_name", ["'__meta__/x'", "WebDataset skips"]),
+])
+def test_names_webdataset_would_not_read_as_packed(tmp_path: Path, files_from: bool, name: str,
+                                                   cls: type[Exception], kind: str,
+                                                   words: list[str]) -> None:
+    """A field named like WebDataset's own ``__key__``/``__url__`` (it refuses the tar; the
+    sample's key was replaced by the file's bytes) and a member name it skips as metadata
+    (shardio read a sample WebDataset never yields) are refused, or skipped and counted."""
+    src = small_tree(tmp_path / "src")
+    write_files(src, {name: b"odd"})
+    kw = {"files_from": _listing(src, tmp_path / "list.txt")} if files_from else {}
+    expect_error(src, tmp_path / "out", cls, [*words, "--on-error skip"], **kw)
+    expect_skip(src, tmp_path / "skip", kind, 5 if name.startswith("a/s1") else 6, **kw)
+    assert all(set(s) == {"txt"} for s in read_back(tmp_path / "skip").values())
+
+
+@pytest.mark.parametrize("files_from", [False, True])
+def test_field_names_are_lowercased_as_webdataset_reads_them(tmp_path: Path,
+                                                              files_from: bool) -> None:
+    """``x.JPG`` is field ``jpg`` (shardio's reader said ``JPG``, WebDataset ``jpg``, and an
+    index of the same tar ``jpg``), fields sorted by their lowercased names."""
+    import webdataset as wds
+
+    src = write_files(tmp_path / "src", {"a/x.JPG": b"J", "a/x.Txt": b"T", "a/y.b": b"B",
+                                         "a/y.A": b"A"})
+    kw = {"files_from": _listing(src, tmp_path / "list.txt")} if files_from else {}
+    out = tmp_path / "out"
+    m = shardio.pack(src, out, **kw)
+    assert m.fields == {"jpg": 1, "txt": 1, "a": 1, "b": 1}
+    got = read_back(out)
+    assert got == {"a/x": {"jpg": b"J", "txt": b"T"}, "a/y": {"a": b"A", "b": b"B"}}
+    tars = [str(out / s.path) for s in m.shards]
+    ref = {s["__key__"]: {k: bytes(v) for k, v in s.items() if not k.startswith("__")}
+           for s in wds.WebDataset(tars, shardshuffle=False, empty_check=False)}
+    assert ref == got
+    names = subprocess.run(["tar", "-tf", tars[0]], capture_output=True, text=True, check=True,
+                           timeout=30).stdout.split()
+    assert names == ["a/x.jpg", "a/x.txt", "a/y.a", "a/y.b"]
+
+
+@pytest.mark.parametrize("files_from", [False, True])
+def test_a_field_and_its_zst_name_clash_only_when_compressing(tmp_path: Path,
+                                                              files_from: bool) -> None:
+    """With ``--compress zstd`` field ``txt`` is the member ``x.txt.zst``: beside a field
+    ``txt.zst`` the tar held two members of one name (tar -x kept one, WebDataset refused)."""
+    src = small_tree(tmp_path / "src")
+    write_files(src, {"a/s1.txt.zst": b"already compressed, or not"})
+    kw = {"files_from": _listing(src, tmp_path / "list.txt")} if files_from else {}
+    expect_error(src, tmp_path / "out", DuplicateKeyError,
+                 ["'a/s1'", "'txt.zst'", "--compress", "--on-error skip"], compress="zstd", **kw)
+    expect_skip(src, tmp_path / "skip", "duplicate_key", 5, compress="zstd", **kw)
+    m = shardio.pack(src, tmp_path / "plain", **kw)
+    assert m.num_samples == 6 and read_back(tmp_path / "plain")["a/s1"]["txt.zst"].startswith(
+        b"already")
+
+
+@pytest.mark.parametrize("files_from", [False, True])
+def test_a_fifo_in_the_source_is_an_error_not_a_silent_drop(tmp_path: Path,
+                                                             files_from: bool) -> None:
+    src = small_tree(tmp_path / "src")
+    os.mkfifo(src / "a" / "pipe.txt")
+    kw = {}
+    if files_from:
+        lst = _listing(src, tmp_path / "list.txt")
+        lst.write_text(lst.read_text() + "a/pipe.txt\n")
+        kw = {"files_from": lst}
+    expect_error(src, tmp_path / "out", UnreadableFileError,
+                 ["pipe.txt", "FIFO", "not a regular file", "--on-error skip"], **kw)
+    expect_skip(src, tmp_path / "skip", "not_regular", 6, **kw)
+
+
+def test_files_from_refuses_the_empty_key(tmp_path: Path) -> None:
+    """A listed ``.hidden.txt`` at the top of SRC became the sample with the empty key, which
+    WebDataset drops.  Other listed hidden files are packed, as WebDataset reads them."""
+    src = small_tree(tmp_path / "src")
+    write_files(src, {".hidden.txt": b"h", "a/.dot.txt": b"d", ".git/x.txt": b"g"})
+    lst = _listing(src, tmp_path / "list.txt")
+    expect_error(src, tmp_path / "out", SourceError, [".hidden.txt", "empty key",
+                                                      "--on-error skip"], files_from=lst)
+    expect_skip(src, tmp_path / "skip", "empty_key", 8, files_from=lst)
+    got = read_back(tmp_path / "skip")
+    assert got["a/"] == {"dot.txt": b"d"} and got[".git/x"] == {"txt": b"g"}
 
 
 @pytest.mark.parametrize("where", ["file", "dir"])

@@ -398,11 +398,16 @@ def test_index_builder_bytes_match_shard_index() -> None:
     rng = random.Random(7)
     for rows in (0, 1, 500):
         b = IndexBuilder("xxh3_64")
+        offset = 0
         for i in range(rows):
             if i % 3 == 0:
                 b.add_sample(f"key/{i}é")
-            b.add_field(rng.choice(["jpg", "cls", "json"]), rng.randint(0, 1), rng.randint(0, 2**40),
-                        rng.randint(0, 2**31), rng.randint(0, 2**31), rng.getrandbits(64))
+            # (what a writer writes: fields in order; a compressed one's raw length larger)
+            flags, length = rng.randint(0, 1), rng.randint(0, 2**31)
+            offset += rng.randint(0, 2**20)
+            b.add_field(rng.choice(["jpg", "cls", "json"]), flags, offset, length,
+                        length + flags * rng.randint(1, 2**31), rng.getrandbits(64))
+            offset += length
         meta = {"job_shard": "abc", "shard_bytes": 123}
         idx = b.build(meta)
         assert b.to_bytes(meta) == idx.to_bytes()

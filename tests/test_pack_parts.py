@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +35,7 @@ from shardio.errors import (
     OutputNotEmptyError,
     ShardCorruptError,
     ShardNotFoundError,
+    UsageError,
 )
 from shardio.manifest import Manifest
 from shardio.parts import PartResult, split_plan
@@ -157,6 +159,35 @@ def test_parts_merge_to_the_single_pack(cli: Cli, image_tree: Path, mixed_tree: 
     assert cli("verify", out)[0] == 0
 
 
+def test_overwrite_parts_never_keep_a_shard_compressed_with_another_dictionary(
+        cli: Cli, tmp_path: Path) -> None:
+    """A --zstd-dict dataset, its input partly changed, repacked as parts with --overwrite:
+    each part keeps the other job's shards whose samples did not change (their owner decides),
+    but the job trains a new dictionary, so those shards no longer decoded (merge and the parts
+    exited 0, verify found "Dictionary mismatch").  A shard's fingerprint now covers the
+    dictionary."""
+    rng = random.Random(0)
+    src = write_files(tmp_path / "src", {
+        f"c{i % 3}/s{i:04d}.txt": (f"hello world {i} " * rng.randint(5, 60)).encode()
+        for i in range(200)})
+    args = ["--compress", "zstd", "--zstd-dict", "--shard-size", "16KB"]
+    out = tmp_path / "out"
+    single_pack(cli, src, out, args)
+    dictionary = (out / "zstd.dict").read_bytes()
+    for i in range(150, 200):  # the last quarter of the samples changes
+        (src / f"c{i % 3}" / f"s{i:04d}.txt").write_text(" ".join(
+            rng.choice(["zebra", "quartz", "vortex", "glyph"]) for _ in range(200)))
+    want = single_pack(cli, src, tmp_path / "fresh", args)
+    for i in range(3):
+        rc, _out, err = cli("pack", src, out, *args, "--overwrite", "--part", f"{i}/3")
+        assert rc == 0, err
+    rc, _out, err = cli("merge", out)
+    assert rc == 0, err
+    assert (out / "zstd.dict").read_bytes() != dictionary  # (the case at hand)
+    assert cli("verify", out)[0] == 0
+    assert tree_bytes(out) == want
+
+
 def test_parts_with_files_from_and_skips(cli: Cli, image_tree: Path, tmp_path: Path) -> None:
     # Every part reads the same list; the scan's skip counts reach the merged manifest once.
     os.symlink("gone.jpg", image_tree / "class_000" / "broken.jpg")
@@ -193,6 +224,34 @@ def test_part_auto_from_torchrun_variables(image_tree: Path, tmp_path: Path,
     assert r.shards == [f"shard-{i:06d}.tar" for i in range(r.first, r.stop)]
 
 
+@pytest.mark.parametrize("env,want", [
+    # mpirun inside a Slurm allocation: the batch step's SLURM_* reach every rank (each then
+    # packed the whole job as part 0/1)
+    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "SLURM_PROCID": "0",
+      "SLURM_NTASKS": "1"}, (2, 4)),
+    # local ranks choose no part (this was "invalid topology: local rank 3 of 2")
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_LOCALID": "3",
+      "SLURM_NTASKS_PER_NODE": "2"}, (1, 3)),
+    ({"RANK": "1", "WORLD_SIZE": ""}, "WORLD_SIZE='' is not a number"),  # was a ValueError
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "rank 3 of world size 2"),
+])
+def test_part_auto_reads_the_launchers_rank(image_tree: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            env: dict[str, str], want: Any) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                 "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
+                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if isinstance(want, str):
+        with pytest.raises(UsageError, match=re.escape(want)):
+            shardio.pack(image_tree, tmp_path / "out", samples_per_shard=7, part="auto")
+        return
+    r = shardio.pack(image_tree, tmp_path / "out", samples_per_shard=7, part="auto")
+    assert isinstance(r, PartResult) and (r.part, r.parts) == want
+
+
 # --- 2. merge refuses what is not one whole job ----------------------------------------------
 
 
@@ -215,6 +274,21 @@ def test_merge_missing_part_names_it_and_its_command(cli: Cli, image_tree: Path,
     assert rc == 0, err
     shardio.merge(out)
     assert tree_bytes(out) == single_pack(cli, image_tree, tmp_path / "single", SINGLE_ARGS)
+
+
+def test_a_merge_killed_while_removing_the_records_can_be_finished(
+        three_parts: tuple[Path, Path], tmp_path: Path) -> None:
+    """Killed after publishing the manifest and removing one part record: every merge then
+    asked for the missing part ("part(s) 0 of 3 have not finished"), and the rerun of that part
+    said the job was merged and wrote no record, so the job could never be merged again."""
+    _src, out = three_parts
+    records = {p.name: p.read_bytes() for p in out.glob(".shardio-part-*")}
+    m = shardio.merge(out)
+    for name in sorted(records)[1:]:  # the record of part 0 was removed first
+        (out / name).write_bytes(records[name])
+    again = shardio.merge(out)
+    assert again.to_dict() == m.to_dict()
+    assert not list(out.glob(".shardio-part-*"))
 
 
 def test_merge_refuses_duplicated_part(three_parts: tuple[Path, Path]) -> None:

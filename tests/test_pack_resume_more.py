@@ -230,6 +230,32 @@ def test_resume_after_the_input_shrank_deletes_shards_beyond_the_plan(tmp_path: 
     assert got == file_bytes(clean)
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_stopped_pack_resumes_after_an_input_file_changed(world_tmp: Path, resume: bool) -> None:
+    """A pack that had scanned its whole input (here from a file list) and was killed, then one
+    file changed: the rerun (plain, or the --resume that FileChangedError recommends) refused
+    OUT ("holds no unfinished run of this job") and only --overwrite, rewriting every shard,
+    went on.  Now the shards whose files did not change are kept and the others redone."""
+    src = _tree(world_tmp / "src")
+    lst = world_tmp / "list.txt"
+    lst.write_text("".join(f"a/s{i:03d}.txt\n" for i in range(12)))
+    out = world_tmp / "out"
+    opts = {"samples_per_shard": 2, "fsync": False, "files_from": str(lst)}
+    assert _child_pack(src, out, kill="shard:4", **opts) == {"killed": True}
+    before = _identities(out, [f"shard-{n:06d}.tar" for n in range(4)])
+    with open(src / "a" / "s003.txt", "ab") as f:  # a file of shard 1
+        f.write(b"changed\n")
+
+    m = shardio.pack(src, out, resume=resume, **opts)
+    after = _identities(out, list(before))
+    assert [n for n in before if after[n] == before[n]] == [
+        "shard-000000.tar", "shard-000002.tar", "shard-000003.tar"]
+    assert verify_dataset(out) == []
+    clean = world_tmp / "clean"
+    assert m.to_dict() == shardio.pack(src, clean, **opts).to_dict()
+    assert file_bytes(out) == file_bytes(clean)
+
+
 # --- 4. a run killed while writing parity -----------------------------------------------------
 
 

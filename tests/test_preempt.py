@@ -84,6 +84,9 @@ def test_signal_outside_an_iteration_saves_at_once(data: Path, tmp_path: Path) -
     assert got and got[0]["cursor"] == 0 and loader.preempted
     with pytest.raises(shardio.errors.UsageError, match="path= .* or callback="):
         loader.save_on_signal()
+    # A folder that is not there failed only when the signal came, and nothing was saved.
+    with pytest.raises(shardio.errors.UsageError, match="does not exist; create it"):
+        loader.save_on_signal(tmp_path / "no" / "such" / "loader.json")
 
 
 @pytest.mark.parametrize("workers", [0, 2])

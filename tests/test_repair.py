@@ -12,6 +12,7 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import shardio
@@ -262,6 +263,41 @@ def test_parity_serves_and_repairs_a_shard_lost_with_its_index(image_tree: Path,
     # A copied-in index of another shard is still refused: the check is not switched off.
     os.replace(root / "shard-000003.tar.idx", root / "shard-000004.tar.idx")
     assert any("index" in p.what for p in verify_dataset(str(root)))
+
+
+@pytest.mark.parametrize("zstd_dict", [False, True])
+def test_parity_rebuilds_the_index_of_a_compressed_shard(tmp_path: Path, cli,
+                                                         zstd_dict: bool) -> None:
+    """With ``--compress zstd`` field F of a sample is the member ``key.F.zst``: the index read
+    from a rebuilt shard took it for a raw field ``F.zst`` and served its compressed bytes, and
+    ``verify`` said ok.  A member that is itself a field ``F.zst`` (stored raw: it does not
+    shrink) stays that field."""
+    pytest.importorskip("zfec")
+    src = tmp_path / "src"
+    rng = np.random.default_rng(3)
+    for i in range(24):
+        d = src / f"c{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"s{i:04d}.txt").write_text(f"sample {i:04d} " * 40)
+        if i % 2:
+            (d / f"s{i:04d}.bin.zst").write_bytes(rng.bytes(300))  # incompressible: raw
+    root = tmp_path / "ds"
+    pack(src, root, PackOptions(samples_per_shard=4, compress="zstd", zstd_dict=zstd_dict,
+                                fsync=False, parity="3+1"))
+    assert set(Manifest.load(root).fields) == {"txt", "bin.zst"}
+    with DatasetReader(root) as r:
+        clean = [{k: bytes(v) if k != "__key__" else v for k, v in s.items()} for s in r]
+    assert all(c["txt"].startswith(b"sample ") for c in clean)
+    assert sorted(len(c.get("bin.zst", b"")) for c in clean) == [0] * 12 + [300] * 12
+    for name in ("shard-000001.tar", "shard-000001.tar.idx"):
+        os.unlink(root / name)
+    with DatasetReader(root) as r:
+        assert [{k: bytes(v) if k != "__key__" else v for k, v in s.items()} for s in r] == clean
+    rc, out, err = cli("verify", root, "--repair")
+    assert rc == 0, out + err
+    assert verify_dataset(str(root)) == []
+    with DatasetReader(root) as r:
+        assert [{k: bytes(v) if k != "__key__" else v for k, v in s.items()} for s in r] == clean
 
 
 def test_a_damaged_zstd_dictionary_is_read_from_a_replica_and_repaired(tmp_path: Path,

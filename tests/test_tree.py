@@ -42,6 +42,42 @@ def test_user_tree_round_trips() -> None:
     assert out["z"] == (1, None)
 
 
+class Batch(dict):
+    """A batch class deriving from dict (as HF's BatchEncoding derives from UserDict)."""
+
+    def to(self, device: str) -> Batch:
+        return Batch({k: v.to(device) for k, v in self.items()})
+
+
+def test_shapes_types_and_grad_flags_come_back_as_sent() -> None:
+    """What came back otherwise: 0-d tensors and arrays of shape (1,) (np.ascontiguousarray),
+    every mapping a plain dict and every tuple type a tuple (torch.Size), Parameters plain
+    tensors and requires_grad dropped.  torch's DataLoader keeps them all."""
+    tree = {"scale": torch.tensor(0.5), "n": np.array(2.5), "col": [np.array(1), np.array(2)],
+            "od": collections.OrderedDict(b=torch.ones(2), a=1),
+            "dd": collections.defaultdict(list, {"k": np.zeros(3)}),
+            "batch": Batch(t=torch.arange(3)), "size": torch.Size([2, 3]),
+            "param": torch.nn.Parameter(torch.ones(2)), "grad": torch.ones(2, requires_grad=True),
+            "lambda_dd": collections.defaultdict(lambda: 0, {"z": 1})}  # (does not pickle)
+    out = roundtrip(plan_tree(tree))
+    assert out["scale"].shape == () and out["scale"].item() == 0.5
+    assert out["n"].shape == () and out["col"][0].shape == ()
+    assert type(out["od"]) is collections.OrderedDict and list(out["od"]) == ["b", "a"]
+    assert type(out["dd"]) is collections.defaultdict and out["dd"]["missing"] == []
+    assert type(out["batch"]) is Batch and torch.equal(out["batch"].to("cpu")["t"],
+                                                       torch.arange(3))
+    assert type(out["size"]) is torch.Size and out["size"] == torch.Size([2, 3])
+    assert type(out["param"]) is torch.nn.Parameter and out["param"].requires_grad
+    assert type(out["grad"]) is torch.Tensor and out["grad"].requires_grad
+    assert out["lambda_dd"] == {"z": 1}  # a plain dict: its empty copy does not pickle
+    # The default collate keeps the mapping type of the samples, as default_collate does.
+    samples = [collections.OrderedDict(b=np.float32(i), a=torch.tensor(i)) for i in range(3)]
+    want = torch.utils.data.default_collate(samples)
+    got = roundtrip(plan_collate(samples))
+    assert type(got) is type(want) is collections.OrderedDict and list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 Pair = collections.namedtuple("Pair", "image label")
 
 # Dtypes numpy has no type for (sent as their bytes) next to ones it has.

@@ -19,7 +19,12 @@ from typing import Any
 import pytest
 
 import shardio
-from shardio.errors import IndexCorruptError, ManifestCorruptError, NonUtf8NameError
+from shardio.errors import (
+    IndexCorruptError,
+    ManifestCorruptError,
+    NonUtf8NameError,
+    UnsafePathError,
+)
 from shardio.indexer import index_tars
 from tests.conftest import flip_bit, truncate
 from tests.test_formats import pack_into, rewrite_manifest
@@ -111,6 +116,13 @@ EDITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "shards_object": (lambda d: d.update(shards={"0": {}}), "shards"),
     "parity_list": (lambda d: d.update(parity=[1]), "parity"),
     "job_number": (lambda d: d.update(job=12), "job"),
+    # Past int64: the readers' offsets overflowed (OverflowError, "__len__() should return >= 0").
+    "samples_huge": (lambda d: d["shards"][0].update(samples=2**63 - 1), "shards[0].samples"),
+    "bytes_huge": (lambda d: d["shards"][1].update(bytes=10**30), "shards[1].bytes"),
+    # Settings no pack writes: decoding built a compressor and raised ValueError/OverflowError.
+    "codec_unknown": (lambda d: d.update(compression={"codec": "lz4", "level": 3}),
+                      "compression"),
+    "level_99": (lambda d: d.update(compression={"codec": "zstd", "level": 99}), "compression"),
 }
 
 
@@ -148,6 +160,91 @@ def test_manifest_dictionary_path_outside_the_dataset(cli: CLI, small_tree: Path
     rc, lines = run_verify(cli, ds)
     assert rc == 1 and len(lines) == 1
     assert lines[0].startswith("manifest.json: unusable manifest: ") and "'..'" in lines[0]
+
+
+@pytest.mark.parametrize("where", ["shard", "dictionary"])
+@pytest.mark.parametrize("bad", ["a\x00.tar", "\ud800.tar"], ids=["nul", "surrogate"])
+def test_manifest_path_that_names_no_file(where: str, bad: str, cli: CLI, small_tree: Path,
+                                          tmp_path: Path) -> None:
+    """A NUL or a lone surrogate in a path (digest recomputed): verify printed one line and died
+    of a UnicodeEncodeError traceback, readers raised ValueError/UnicodeEncodeError."""
+    ds = tmp_path / "ds"
+    pack_into(small_tree, ds, "tar", samples_per_shard=2)
+    edit = ((lambda d: d["shards"][0].update(path=bad)) if where == "shard" else
+            (lambda d: d.update(compression={"codec": "zstd", "level": 3, "dictionary": bad,
+                                             "dictionary_digest": "0"})))
+    rewrite_manifest(ds, edit, redigest=True)
+    rc, lines = run_verify(cli, ds)
+    assert rc == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("manifest.json: unusable manifest: ") and "NUL" in lines[0]
+    with pytest.raises(UnsafePathError, match="NUL or is not valid UTF-8"):
+        shardio.open_dataset(ds)
+    rc, _out, err = cli("inspect", ds)
+    assert rc == 1 and "UnsafePathError" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("edit", ["no_compression", "no_dictionary"])
+def test_compression_settings_that_are_not_the_packs(edit: str, cli: CLI,
+                                                     tmp_path: Path) -> None:
+    """Compression settings edited (digest recomputed) so that the shards' zstd fields do not
+    decode: every checksum passes, verify said ok, and readers raised zstandard.ZstdError."""
+    src, ds = tmp_path / "many", tmp_path / "ds"
+    src.mkdir()
+    for i in range(120):
+        (src / f"s{i:03d}.txt").write_text(f"sample {i} of a dataset of text " * (3 + i % 7))
+    shardio.pack(src, ds, samples_per_shard=40, fsync=False, progress=False, compress="zstd",
+                 zstd_dict=True)
+    change = {"no_compression": lambda d: d.update(compression=None),
+              "no_dictionary": lambda d: d.update(compression={"codec": "zstd", "level": 3})}
+    rewrite_manifest(ds, change[edit], redigest=True)
+    rc, lines = run_verify(cli, ds)
+    assert rc == 1 and len(lines) == 3, lines
+    what = ("names no zstd codec" if edit == "no_compression" else
+            "compressed field does not decode")
+    assert all(line.startswith("shard-00000") and what in line for line in lines), lines
+    with pytest.raises(ManifestCorruptError, match="does not decode"):
+        [s["txt"] for s in shardio.open_dataset(ds)]
+
+
+def test_inspect_of_odd_informative_stats(cli: CLI, small_tree: Path, tmp_path: Path) -> None:
+    """The pack's stats are informative (verify accepts any): inspect died of a traceback on
+    a compression_ratio that is not a number or a skipped count that is not a mapping."""
+    ds = tmp_path / "ds"
+    pack_into(small_tree, ds, "tar", samples_per_shard=2)
+    rewrite_manifest(ds, lambda d: d["stats"].update(compression_ratio="x", skipped=[1]),
+                     redigest=True)
+    rc, out, err = cli("inspect", ds)
+    assert rc == 0 and "Traceback" not in err and "ratio unknown" not in out, out + err
+    rc, out, err = cli("inspect", ds, "--json")
+    assert rc == 0 and json.loads(out)["compression_ratio"] is None
+
+
+def test_self_consistent_but_impossible_tar_index(cli: CLI, small_tree: Path,
+                                                  tmp_path: Path) -> None:
+    """A .idx rewritten with a valid checksum and index_digest, but keys cut past the key blob
+    or a field name that does not exist: verify said ok and readers returned wrong keys or
+    raised IndexError.  The structure checks HDF5 indexes had now hold for tar ones too."""
+    import numpy as np
+
+    from shardio.checksum import digest_bytes
+    from shardio.formats.base import ShardIndex
+
+    for name, value in (("key_offsets", 10**9), ("f_name", 999)):
+        ds = tmp_path / name
+        pack_into(small_tree, ds, "tar", samples_per_shard=2)
+        ipath = ds / "shard-000000.tar.idx"
+        idx = ShardIndex.from_bytes(ipath.read_bytes())
+        arrays = {k: np.array(v) for k, v in idx.arrays().items()}
+        arrays[name][1 if name == "key_offsets" else 0] = value
+        data = ShardIndex(field_names=idx.field_names, checksum=idx.checksum,
+                          key_blob=idx.key_blob, meta=idx.meta, **arrays).to_bytes()
+        ipath.write_bytes(data)
+        rewrite_manifest(ds, lambda d: d["shards"][0].update(index_digest=digest_bytes(data)),
+                         redigest=True)
+        rc, lines = run_verify(cli, ds)
+        assert rc == 1 and any("unreadable index" in line for line in lines), lines
+        with pytest.raises(IndexCorruptError, match="is corrupt"):
+            shardio.open_dataset(ds)[0]
 
 
 # --- defect: a damaged HDF5 shard crashes, hangs or breaks verify --------------------------------
@@ -194,6 +291,42 @@ def test_load_hdf5_index_turns_any_h5py_error_into_index_corruption(h5_ds: Path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith(f"IndexCorruptError cannot read the index of HDF5 shard {shard}")
     assert "restore it" in done.stdout
+
+
+def test_hdf5_index_digest_in_the_manifest_is_verified(h5_ds: Path, cli: CLI) -> None:
+    """Only tar indexes had their manifest index_digest checked by verify: an HDF5 shard's
+    edited one passed, and every reader then refused the shard."""
+    rewrite_manifest(h5_ds, lambda d: d["shards"][0].update(index_digest="0" * 16),
+                     redigest=True)
+    rc, lines = run_verify(cli, h5_ds)
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith(
+        "shard-000000.h5: index digest mismatch expected=0000000000000000"), lines
+
+
+def test_a_chunked_hdf5_payload_is_refused_not_read_at_offset_0(h5_ds: Path) -> None:
+    """The README's layout with /payload rewritten in chunks (h5repack -l CHUNK=...) has no file
+    offset: the reader read fields from offset 0 (the HDF5 superblock, with verify=False)."""
+    import h5py
+
+    from shardio.checksum import file_digest
+
+    shard = h5_ds / "shard-000000.h5"
+    with h5py.File(shard, "r") as f:
+        attrs, payload = dict(f.attrs), f["payload"][()]
+        index = {k: f["index"][k][()] for k in f["index"]}
+    shard.unlink()
+    with h5py.File(shard, "w") as f:
+        f.attrs.update(attrs)
+        f.create_dataset("payload", data=payload, chunks=(64,))
+        g = f.create_group("index")
+        for k, v in index.items():
+            g.create_dataset(k, data=v)
+    digest, size = file_digest(str(shard))
+    rewrite_manifest(h5_ds, lambda d: d["shards"][0].update(digest=digest, bytes=size),
+                     redigest=True)
+    for verify in (True, False):
+        with pytest.raises(IndexCorruptError, match="not one contiguous byte array"):
+            shardio.open_dataset(h5_ds, verify=verify)[0]
 
 
 def test_isolated_index_load(h5_ds: Path) -> None:
@@ -345,6 +478,36 @@ def test_a_fifo_in_place_of_a_shard_is_a_problem_not_a_hang(cli: CLI, small_tree
     for workers in ("0", "-1"):
         rc, _out, err = cli("verify", out, "--workers", workers)
         assert rc == 2 and "--workers must be >= 1" in err
+
+
+@pytest.mark.parametrize("which", ["manifest.json", "zstd.dict", "shard-000001.tar.idx"])
+def test_a_fifo_in_place_of_a_dataset_file_is_an_error_not_a_hang(which: str, cli: CLI,
+                                                                  small_tree: Path,
+                                                                  tmp_path: Path) -> None:
+    """Only shard files were opened so that a FIFO could not block: one in place of the
+    manifest or the zstd dictionary hung verify, inspect and the readers, one in place of an
+    index the readers (each open waited for a writer for ever)."""
+    src, out = tmp_path / "many", tmp_path / "ds"
+    src.mkdir()
+    for i in range(200):
+        (src / f"s{i:03d}.txt").write_text(f"sample {i} of a dataset of text " * (3 + i % 7))
+    shardio.pack(src, out, samples_per_shard=50, fsync=False, progress=False,
+                 compress="zstd", zstd_dict=True)
+    (out / which).unlink()
+    os.mkfifo(out / which)
+    proc = verify_subprocess(out, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "not a regular file" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    if which == "manifest.json":
+        rc, _out, err = cli("inspect", out)
+        assert rc == 1 and "not a regular file" in err
+    read = ("import shardio, sys; ds = shardio.open_dataset(sys.argv[1]); "
+            "[bytes(s['txt']) for s in ds]")
+    child = subprocess.run([sys.executable, "-c", read, str(out)], cwd=REPO, capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert child.returncode == 1, child.stderr
+    assert "shardio.errors." in child.stderr and "not a regular file" in child.stderr, (
+        child.stderr)
 
 
 @pytest.mark.parametrize("edit", ["num_samples", "num_samples_string", "shard_twice"])

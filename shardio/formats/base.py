@@ -26,7 +26,7 @@ import struct
 import sys
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,7 @@ import xxhash
 from .. import _inject
 from .._fsutil import pread_full, preadv_full, translate_oserror
 from ..checksum import hex64, sample_checksum_fn
-from ..codec import Codec
+from ..codec import FLAG_ZSTD, Codec
 from ..errors import (
     ChecksumMismatchError,
     IndexCorruptError,
@@ -169,7 +169,9 @@ class ShardIndex:
         """
         def bad(why: str) -> IndexCorruptError:
             return IndexCorruptError(
-                f"index {where} is corrupt ({why}); rebuild it with `shardio index` or restore it"
+                f"index {where} is corrupt ({why}); restore it from a good copy (`shardio repair "
+                "--replica`, `shardio verify --repair`), or for a tar shardio did not pack, "
+                "build it again with `shardio index`"
             )
 
         if len(data) < 32 or data[:8] != INDEX_MAGIC or data[-8:] != INDEX_END:
@@ -191,12 +193,20 @@ class ShardIndex:
             key_blob = bytes(data[pos : pos + klen])
             pos += klen + (-klen % 8)
             arrays: dict[str, np.ndarray] = {}
+            if [[n, dt] for n, dt, _c in header["arrays"]] != [list(a) for a in _ARRAYS]:
+                raise ValueError(f"arrays {header['arrays']}")
             for name, dt, count in header["arrays"]:
                 nbytes = np.dtype(dt).itemsize * count
                 arrays[name] = np.frombuffer(data, dtype=dt, count=count, offset=pos)
                 pos += nbytes + (-nbytes % 8)
+            names = header["field_names"]
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError("field_names")
+            problem = structure_problem(names, 1 << 63, key_blob, arrays)
+            if problem is not None:
+                raise bad(problem)
             return cls(
-                field_names=list(header["field_names"]),
+                field_names=list(names),
                 checksum=header["checksum"],
                 key_blob=key_blob,
                 meta=dict(header.get("meta", {})),
@@ -204,6 +214,49 @@ class ShardIndex:
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise bad(f"malformed header: {exc}") from exc
+
+
+def structure_problem(names: Sequence[str], payload_len: int, key_blob: bytes,
+                      a: Mapping[str, np.ndarray]) -> str | None:
+    """Why the index arrays (of ``_ARRAYS``' dtypes) cannot be what a shard writer wrote, or
+    None when they can: fields in order inside the first ``payload_len`` bytes (an HDF5 shard's
+    ``/payload``; a tar shard's file), keys cut from ``key_blob`` at UTF-8 boundaries, known
+    field names and flags.
+
+    An index that passes its own checksum (or an HDF5 one without ``index_digest``) still
+    cannot then send a read outside the data, name a field that does not exist, decompress a
+    raw field or mis-cut a key."""
+    if any(arr.ndim != 1 for arr in a.values()):
+        return "an index array is not one-dimensional"
+    ko, ss = a["key_offsets"], a["sample_start"]
+    rows = len(a["f_name"])
+    per_row = [arr for name, arr in a.items() if name.startswith("f_")]
+    if not len(ko) or len(ss) != len(ko) or any(len(arr) != rows for arr in per_row):
+        return (f"array lengths disagree: {len(ko)} key offsets, {len(ss)} sample starts, "
+                f"{rows} field names")
+    for label, arr, end in (("key_offsets", ko, len(key_blob)), ("sample_start", ss, rows)):
+        if arr[0] != 0 or arr[-1] != end or bool((arr[1:] < arr[:-1]).any()):
+            return f"{label} are not increasing from 0 to {end}"
+    blob = np.frombuffer(key_blob, dtype=np.uint8)
+    cuts = ko[1:-1][ko[1:-1] < len(blob)]
+    try:
+        key_blob.decode("utf-8")
+    except UnicodeDecodeError:
+        return "key_blob is not UTF-8"
+    if bool(((blob[cuts] & 0xC0) == 0x80).any()):
+        return "key_offsets cut a UTF-8 character"
+    fname, flags, off, length = a["f_name"], a["f_flags"], a["f_offset"], a["f_length"]
+    if rows and int(fname.max()) >= len(names):
+        return f"f_name {int(fname.max())} names no field (there are {len(names)})"
+    if bool((flags & ~np.uint8(FLAG_ZSTD)).any()):
+        return f"unknown f_flags {sorted(set(flags.tolist()) - {0, FLAG_ZSTD})}"
+    if bool((off[1:] < off[:-1]).any()) or bool((off > payload_len).any()) or bool(
+            (length > np.uint64(payload_len) - off).any()):
+        return f"field offsets are not in order inside the {payload_len}-byte payload"
+    # Codec.encode keeps a compressed field only when it is smaller than the raw bytes.
+    if bool(np.where(flags == 0, a["f_raw_length"] != length, a["f_raw_length"] <= length).any()):
+        return "a field's raw length does not fit its flags (equal if raw, larger if compressed)"
+    return None
 
 
 def _index_bytes(field_names: list[str], checksum: str, key_blob: bytes,

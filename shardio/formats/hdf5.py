@@ -40,7 +40,7 @@ import numpy as np
 
 from .._fsutil import tmp_name, translate_oserror
 from ..checksum import file_digest, new_digest, sample_checksum_fn
-from ..codec import FLAG_ZSTD, Codec
+from ..codec import Codec
 from ..errors import (
     IndexCorruptError,
     ManifestVersionError,
@@ -48,7 +48,14 @@ from ..errors import (
     ShardioError,
     ShardNotFoundError,
 )
-from .base import _ARRAYS, IndexBuilder, ShardIndex, ShardWriter, WrittenShard
+from .base import (
+    _ARRAYS,
+    IndexBuilder,
+    ShardIndex,
+    ShardWriter,
+    WrittenShard,
+    structure_problem,
+)
 
 try:  # the C read loop of a pack (shardio/_tarpack.c, headers=False); Hdf5Writer.add is the reference
     from .._tarpack import fill as _fill
@@ -299,6 +306,14 @@ def load_hdf5_index(path: str) -> ShardIndex:
             payload = f["payload"]
             base = payload.id.get_offset()
             payload_len = int(payload.size)
+            if (base is None and payload_len) or payload.dtype.itemsize != 1 or (
+                    payload.ndim != 1) or payload.external:
+                # Fields are read by file offset: a payload rewritten in chunks (h5repack -l
+                # CHUNK, or with a filter), stored elsewhere or of wider items has none.
+                raise IndexCorruptError(
+                    f"the /payload of HDF5 shard {path} is not one contiguous byte array in the "
+                    "file (chunked, filtered or external: rewritten by h5repack?), so its fields "
+                    "cannot be read by offset; restore the shard as shardio wrote it, or repack")
             g = f["index"]
             # Cast to the index model's dtypes: a damaged HDF5 type message changes the values
             # read (which index_digest then catches), never the dtypes the reader works with.
@@ -324,7 +339,7 @@ def load_hdf5_index(path: str) -> ShardIndex:
         found = _index_digest(checksum, names, meta_text, key_blob, arrays)
         if _text(stored_digest) != found:
             problem = f"index_digest mismatch: expected {_text(stored_digest)}, found {found}"
-    problem = problem or _structure_problem(names, payload_len, key_blob, arrays)
+    problem = problem or structure_problem(names, payload_len, key_blob, arrays)
     if problem is not None:
         raise IndexCorruptError(
             f"the index of HDF5 shard {path} is corrupt ({problem}); restore the shard from a "
@@ -335,43 +350,3 @@ def load_hdf5_index(path: str) -> ShardIndex:
         field_names=names, checksum=checksum, key_blob=key_blob, meta=meta, **arrays,
         digest="" if stored_digest is None else _text(stored_digest),
     )
-
-
-def _structure_problem(names: Sequence[str], payload_len: int, key_blob: bytes,
-                       a: Mapping[str, np.ndarray]) -> str | None:
-    """Why the index arrays cannot be what :class:`Hdf5Writer` wrote, or None when they can.
-
-    Holds for every shard whatever its age, so a shard without ``index_digest`` still cannot
-    send a read outside ``/payload``, name a field that does not exist, decompress a raw field
-    or mis-cut a key."""
-    if any(arr.ndim != 1 for arr in a.values()):
-        return "an index array is not one-dimensional"
-    ko, ss = a["key_offsets"], a["sample_start"]
-    rows = len(a["f_name"])
-    per_row = [arr for name, arr in a.items() if name.startswith("f_")]
-    if not len(ko) or len(ss) != len(ko) or any(len(arr) != rows for arr in per_row):
-        return (f"array lengths disagree: {len(ko)} key offsets, {len(ss)} sample starts, "
-                f"{rows} field names")
-    for label, arr, end in (("key_offsets", ko, len(key_blob)), ("sample_start", ss, rows)):
-        if arr[0] != 0 or arr[-1] != end or bool((arr[1:] < arr[:-1]).any()):
-            return f"{label} are not increasing from 0 to {end}"
-    blob = np.frombuffer(key_blob, dtype=np.uint8)
-    cuts = ko[1:-1][ko[1:-1] < len(blob)]
-    try:
-        key_blob.decode("utf-8")
-    except UnicodeDecodeError:
-        return "key_blob is not UTF-8"
-    if bool(((blob[cuts] & 0xC0) == 0x80).any()):
-        return "key_offsets cut a UTF-8 character"
-    fname, flags, off, length = a["f_name"], a["f_flags"], a["f_offset"], a["f_length"]
-    if rows and int(fname.max()) >= len(names):
-        return f"f_name {int(fname.max())} names no field (there are {len(names)})"
-    if bool((flags & ~np.uint8(FLAG_ZSTD)).any()):
-        return f"unknown f_flags {sorted(set(flags.tolist()) - {0, FLAG_ZSTD})}"
-    if bool((off[1:] < off[:-1]).any()) or bool((off > payload_len).any()) or bool(
-            (length > np.uint64(payload_len) - off).any()):
-        return f"field offsets are not in order inside the {payload_len}-byte payload"
-    # Codec.encode keeps a compressed field only when it is smaller than the raw bytes.
-    if bool(np.where(flags == 0, a["f_raw_length"] != length, a["f_raw_length"] <= length).any()):
-        return "a field's raw length does not fit its flags (equal if raw, larger if compressed)"
-    return None

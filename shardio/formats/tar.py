@@ -13,14 +13,15 @@ import os
 import re
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._fsutil import pread_full, tmp_name, translate_oserror
+from .._fsutil import pread_full, read_regular, tmp_name, translate_oserror
 from ..checksum import digest_bytes, new_digest, sample_checksum_fn
 from ..codec import FLAG_ZSTD, Codec
 from ..errors import (
     DuplicateKeyError,
+    IndexCorruptError,
     NonUtf8NameError,
     NotATarError,
     ShardIOError,
@@ -178,6 +179,15 @@ def release_buffers() -> None:
 _MEMBER = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 # Members WebDataset skips: a top-level ``__x__``, and anything under a ``__x__`` prefix.
 _META = re.compile(r"__[^/]*__($|/)")
+# WebDataset's own entries of a sample dict: a field of that name clashes with them (WebDataset
+# refuses the tar, "duplicate file name"; shardio's sample would lose its key).
+RESERVED_FIELDS = frozenset({"__key__", "__url__"})
+
+
+def skipped_member(name: str) -> bool:
+    """Whether WebDataset skips the tar member ``name`` as metadata."""
+    return bool(_META.match(name)) or (
+        "/" not in name and name.startswith("__") and name.endswith("__"))
 
 
 def split_member_name(name: str) -> tuple[str, str] | None:
@@ -432,11 +442,12 @@ def load_tar_index(path: str) -> ShardIndex:
     :class:`TarWriter` records it in the manifest)."""
     idx_path = path + ".idx"
     try:
-        with open(idx_path, "rb") as f:
-            data = f.read()
+        data = read_regular(idx_path)
     except FileNotFoundError as exc:
         raise ShardNotFoundError(
-            f"index {idx_path} is missing; rebuild it with `shardio index {path}`"
+            f"index {idx_path} is missing; restore it from a copy of the dataset (`shardio "
+            "repair DATASET --replica DIR`, or `shardio verify DATASET --repair` with parity); "
+            f"for a tar shardio did not pack, `shardio index {path}`"
         ) from exc
     except OSError as exc:
         raise translate_oserror(exc, idx_path, "reading index") from exc
@@ -475,15 +486,54 @@ def _utf8_name(path: str, name: str) -> None:
         ) from None
 
 
-def index_tar(path: str, checksum: str, webdataset: bool = True
-              ) -> tuple[ShardIndex, dict[str, int]]:
+def _packed_field(path: str, name: str, ext: str, data: bytes, fields: Collection[str]
+                  ) -> tuple[str, int, int]:
+    """``(field, flags, raw length)`` of member ``name`` (extension ``ext``) of a tar shardio
+    packed with ``--compress zstd`` (see :func:`index_tar`)."""
+    base = ext[:-4] if ext.endswith(".zst") else None
+    if base is None or ext in fields:
+        if base is not None and base in fields:
+            raise IndexCorruptError(
+                f"{path}: member {name} may be field {ext!r} or field {base!r} compressed (the "
+                "dataset has both): its index cannot be read from the shard; restore the "
+                ".idx from a replica")
+        if ext not in fields:
+            raise IndexCorruptError(f"{path}: member {name} is no field of the dataset "
+                                    f"({sorted(fields)})")
+        return ext, 0, len(data)
+    if base not in fields:
+        raise IndexCorruptError(f"{path}: member {name} is no field of the dataset "
+                                f"({sorted(fields)})")
+    size = _zstd_content_size(data)
+    if size < 0:
+        raise IndexCorruptError(f"{path}: member {name} is not a zstd frame that records its "
+                                "size, as shardio writes them; restore the .idx from a replica")
+    return base, FLAG_ZSTD, size
+
+
+def _zstd_content_size(data: bytes) -> int:
+    """The decompressed size a zstd frame's header records; -1 when it has none."""
+    from ..codec import _zstd
+
+    try:
+        size = _zstd().frame_content_size(data)
+    except Exception:  # zstandard.ZstdError: not a frame
+        return -1
+    return size if size >= 0 else -1
+
+
+def index_tar(path: str, checksum: str, webdataset: bool = True,
+              zstd_fields: Collection[str] | None = None) -> tuple[ShardIndex, dict[str, int]]:
     """Build the index of an existing tar (e.g. written by webdataset) without rewriting it.
 
     Members are grouped into samples the way WebDataset groups them: consecutive members with the
     same key (:func:`split_member_name`), fields lowercased; members without an extension,
     non-files and ``__x__`` names are skipped, as WebDataset skips them.  ``webdataset=False``
     reads a tar that shardio packed as it wrote it instead: field names as they are, nothing
-    skipped (a shard's index rebuilt from the shard itself).
+    skipped (a shard's index rebuilt from the shard itself).  ``zstd_fields``, for such a shard
+    of a pack with ``--compress zstd``: the dataset's field names (its manifest's), by which a
+    member ``key.F.zst`` is field F stored compressed (:class:`TarWriter` names it so) unless
+    ``F.zst`` is itself a field.
 
     Returns:
         The index and per-field member counts.
@@ -491,8 +541,11 @@ def index_tar(path: str, checksum: str, webdataset: bool = True
     Raises:
         NotATarError: not an uncompressed tar.
         NonUtf8NameError: a member name is not valid UTF-8.
-        DuplicateKeyError: a sample has the same field twice (WebDataset refuses the tar too).
+        DuplicateKeyError: a sample has the same field twice, or a field named like
+            WebDataset's ``__key__``/``__url__`` (WebDataset refuses the tar too).
         ShardTruncatedError: a member ends past the end of the file.
+        IndexCorruptError: (``zstd_fields``) a member that is no field of the dataset, or one
+            whose field cannot be told.
     """
     check = sample_checksum_fn(checksum)
     builder = IndexBuilder(checksum)
@@ -508,8 +561,7 @@ def index_tar(path: str, checksum: str, webdataset: bool = True
             if not m.isreg():
                 continue
             name = m.name
-            if webdataset and (_META.match(name) or (
-                    "/" not in name and name.startswith("__") and name.endswith("__"))):
+            if webdataset and skipped_member(name):
                 continue
             parts = split_member_name(name)
             if parts is None:
@@ -532,11 +584,19 @@ def index_tar(path: str, checksum: str, webdataset: bool = True
                     f"{path}: sample {key!r} has field {field!r} twice (member {name}); "
                     "WebDataset refuses such a tar too (duplicate file name): rewrite it "
                     "without the duplicate member")
+            if field in RESERVED_FIELDS:
+                raise DuplicateKeyError(
+                    f"{path}: member {name} is a field named {field!r}, the name of an entry "
+                    "every sample has; WebDataset refuses such a tar too (duplicate file name): "
+                    "rename the member")
             fields.add(field)
             data = pread_full(fd, m.size, m.offset_data)
             if len(data) < m.size:
                 raise ShardTruncatedError(f"{path}: member {m.name} is truncated")
-            builder.add_field(field, 0, m.offset_data, m.size, m.size, check(data))
+            flags, raw_length = 0, m.size
+            if zstd_fields is not None:
+                field, flags, raw_length = _packed_field(path, name, field, data, zstd_fields)
+            builder.add_field(field, flags, m.offset_data, m.size, raw_length, check(data))
             counts[field] = counts.get(field, 0) + 1
     except OSError as exc:
         if isinstance(exc, ShardIOError):
