@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -378,7 +379,7 @@ def _leaf(x: Any, acc: _Acc) -> Any:
         grad = 0
         if tensor:
             if x.requires_grad:
-                grad = 2 if type(x).__name__ == "Parameter" else 1
+                grad = 2 if isinstance(x, sys.modules["torch"].nn.Parameter) else 1
             got = _tensor_array(x)
             if got is None:
                 return x
@@ -468,8 +469,6 @@ def _promote(dtypes: set[np.dtype]) -> np.dtype | None:
 
 def _default_float() -> np.dtype:
     """torch's default dtype (what ``torch.tensor`` makes of a Python float), as numpy's."""
-    import sys
-
     torch = sys.modules.get("torch")
     name = str(torch.get_default_dtype()).rpartition(".")[2] if torch is not None else "float32"
     return np.dtype(name if name in ("float16", "float32", "float64") else "float32")

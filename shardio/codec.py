@@ -82,11 +82,12 @@ class Codec:
 
     def _ensure(self) -> None:
         if self._pid != os.getpid():
-            zstd = _zstd()
-            d = zstd.ZstdCompressionDict(self.dictionary) if self.dictionary else None
             self._c = None  # made by the first encode: a reader never needs one
-            self._d = zstd.ZstdDecompressor(dict_data=d)
+            self._d = _zstd().ZstdDecompressor(dict_data=self._zstd_dict())
             self._pid = os.getpid()
+
+    def _zstd_dict(self) -> Any:
+        return _zstd().ZstdCompressionDict(self.dictionary) if self.dictionary else None
 
     def encode(self, data: bytes) -> tuple[bytes, int]:
         """Return ``(stored_bytes, flags)``; raw when compression would not shrink the field."""
@@ -94,10 +95,9 @@ class Codec:
             return data, 0
         self._ensure()
         if self._c is None:
-            zstd = _zstd()
-            d = zstd.ZstdCompressionDict(self.dictionary) if self.dictionary else None
             # write_checksum off: shardio checksums every stored field itself.
-            self._c = zstd.ZstdCompressor(level=self.level, dict_data=d, write_content_size=True)
+            self._c = _zstd().ZstdCompressor(level=self.level, dict_data=self._zstd_dict(),
+                                             write_content_size=True)
         packed = self._c.compress(data)
         if len(packed) < len(data):
             return packed, FLAG_ZSTD
