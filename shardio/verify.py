@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._fsutil import TMP_MARK, open_regular, read_regular, resolve_in
+from ._fsutil import TMP_MARK, open_regular, pread_full, read_regular, resolve_in
 from .checksum import digest_bytes, file_digest
 from .codec import FLAG_ZSTD, Codec
 from .errors import ShardioError
@@ -167,7 +167,7 @@ def _check_decode(path: str, entry: ShardEntry, index: ShardIndex, codec: Codec 
         return
     fd = open_regular(path)
     try:
-        stored = os.pread(fd, int(index.f_length[r]), int(index.f_offset[r]))
+        stored = pread_full(fd, int(index.f_length[r]), int(index.f_offset[r]))
     finally:
         os.close(fd)
     try:
