@@ -22,6 +22,30 @@ from shardio.topology import _LOCAL_VARS, _RANK_VARS  # noqa: E402
 from tools.make_dataset import make_images  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def quick_runs(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The benchmark scripts' ``--quick`` runs the session's tests ask for with
+    ``@pytest.mark.quick_run(NAME)``, run two at a time (see ``tests/_quickruns.py``)."""
+    from tests._quickruns import QuickRuns
+
+    names = {m.args[0] for item in request.session.items
+             for m in item.iter_markers("quick_run")}
+    return QuickRuns(names, tmp_path_factory.mktemp("quick"))
+
+
+@pytest.fixture
+def quick_run(request: pytest.FixtureRequest, quick_runs: Any) -> Any:
+    """The finished run of this test's ``@pytest.mark.quick_run(NAME)``
+    (a ``tests._quickruns.Run``); the test fails here when the run did not exit 0."""
+    marker = request.node.get_closest_marker("quick_run")
+    assert marker is not None, "quick_run needs @pytest.mark.quick_run(NAME)"
+    run = quick_runs.get(marker.args[0])
+    if run.returncode != 0:
+        pytest.fail(run.failure(), pytrace=False)
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests mean a single process unless they say otherwise: a Slurm/torchrun/MPI rank

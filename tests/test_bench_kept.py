@@ -4,20 +4,17 @@ show which path each contender took (never the speeds)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pytest
+
+from tests._quickruns import Run
 
 
-def test_quick_run_reports_every_contender(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+@pytest.mark.quick_run("kept")
+def test_quick_run_reports_every_contender(quick_run: Run) -> None:
+    tmp_path = quick_run.dir
     out = tmp_path / "lines.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_kept.py"), "--quick",
-         "--workdir", str(tmp_path), "--json-out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     rows, summary = {r["contender"]: r for r in lines[:-1]}, lines[-1]
     assert set(rows) == {"none", "kept", "kept_without_detach", "previous", "labels",
@@ -35,5 +32,5 @@ def test_quick_run_reports_every_contender(tmp_path: Path) -> None:
     assert summary["kept_vs_none"] > 0 and summary["kept_without_detach_vs_none"] > 0
     assert summary["previous_vs_none"] > 0
     assert "labels_uss_growth_mb" in summary and "labels_dataloader_uss_growth_mb" in summary
-    assert "kept/none" in proc.stderr
+    assert "kept/none" in quick_run.stderr
     assert not any(p.name.startswith("shardio-bench-kept-") for p in tmp_path.iterdir())

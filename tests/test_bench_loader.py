@@ -4,16 +4,15 @@ speeds), and the transfer-section helpers."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "bench_loader.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from tests._quickruns import Run  # noqa: E402
 
 TRANSFER = {f"transfer_{t}_{ld}" for t in ("pages", "none") for ld in ("shardloader", "dataloader")}
 E2E = {f"{m}_{ld}" for m in ("raw", "decode")
@@ -34,14 +33,12 @@ def _number(v: object) -> bool:
 
 
 @pytest.mark.slow
-def test_quick_run_prints_contender_and_summary_lines(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+@pytest.mark.quick_run("loader")
+def test_quick_run_prints_contender_and_summary_lines(quick_run: Run) -> None:
+    tmp_path = quick_run.dir
     json_out = tmp_path / "bench.jsonl"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--decode-repeat", "2",
-         "--workdir", str(tmp_path / "work"), "--json-out", str(json_out)],
-        check=False, capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = quick_run
     lines = [json.loads(ln) for ln in proc.stdout.splitlines()]
     assert json_out.read_text().splitlines() == proc.stdout.splitlines()
     assert all(ln["bench"] == "loader" for ln in lines)

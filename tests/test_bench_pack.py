@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,8 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks._common import PEERS, usable  # noqa: E402
+from tests._quickruns import Run  # noqa: E402
 
-SCRIPT = ROOT / "benchmarks" / "bench_pack.py"
 
 CONTENDERS = {
     "tar", "shardio_tar_w1_fsync", "shardio_tar_w1_nofsync", "shardio_tar_w2_fsync",
@@ -29,14 +28,12 @@ TARGETS = ("shardio_w1_ge_tar", "shardio_ge_2x_webdataset", "w2_ge_1_6x_w1")
 
 
 @pytest.mark.slow
-def test_quick_run_prints_contender_lines_then_summary(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+@pytest.mark.quick_run("pack")
+def test_quick_run_prints_contender_lines_then_summary(quick_run: Run) -> None:
+    tmp_path = quick_run.dir
     json_out = tmp_path / "bench.jsonl"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--workdir", str(tmp_path / "work"),
-         "--json-out", str(json_out)],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = quick_run
     lines = [json.loads(ln) for ln in proc.stdout.splitlines()]
     assert json_out.read_text().splitlines() == proc.stdout.splitlines()
     *contenders, summary = lines

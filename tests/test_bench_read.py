@@ -4,18 +4,17 @@ checks that every contender is fed the same samples by the same per-sample funct
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "bench_read.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_read import MEASURED_PEERS, PEERS, usable  # noqa: E402
+from tests._quickruns import Run  # noqa: E402
 
 KINDS = {"shardio", "shardio_loader", "smallfiles", "wds_batched", "wds_dataloader"}
 MODES = {"raw", "decode"}
@@ -39,14 +38,12 @@ def _number(v: object) -> bool:
 
 
 @pytest.mark.slow
-def test_quick_run_prints_contender_growth_and_summary_lines(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+@pytest.mark.quick_run("read")
+def test_quick_run_prints_contender_growth_and_summary_lines(quick_run: Run) -> None:
+    tmp_path = quick_run.dir
     json_out = tmp_path / "bench.jsonl"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--workdir", str(tmp_path / "work"),
-         "--json-out", str(json_out)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = quick_run
     lines = [json.loads(ln) for ln in proc.stdout.splitlines()]
     assert json_out.read_text().splitlines() == proc.stdout.splitlines()
     assert all(ln["bench"] == "read" for ln in lines)

@@ -5,7 +5,6 @@ PASS/MISS, plots, missing files and fields), a time limit that stops a script, a
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,8 @@ import pytest
 
 from benchmarks import run_all
 from benchmarks.run_all import BENCHES, build_report, main, run_bench
+from tests._quickruns import Run
 
-ROOT = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -239,13 +238,10 @@ def test_time_limit_stops_the_script_and_is_recorded(tmp_path: Path) -> None:
     assert not list(work.iterdir())  # SIGINT first: the script removed its temporary tree
 
 
-def test_quick_stage_end_to_end(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--only", "stage",
-         "--out", str(out), "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=300, cwd=str(ROOT), stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr
+@pytest.mark.timeout(900)
+@pytest.mark.quick_run("run_all_stage")
+def test_quick_stage_end_to_end(quick_run: Run) -> None:
+    out = quick_run.dir / "results"
     lines = [json.loads(x) for x in (out / "stage.jsonl").read_text().splitlines()]
     assert lines[-1]["summary"] is True
     runs = json.loads((out / "runs.json").read_text())
