@@ -314,7 +314,8 @@ class ReadOptions:
         for name in ("cache_budget", "cache_reserve", "stage_bandwidth"):
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, parse_size(value) if value != 0 else 0)
+                # (0 as a number or a string, as StageOptions and `shardio stage` take it)
+                object.__setattr__(self, name, 0 if value in (0, "0") else parse_size(value))
         for name in ("seed", "batch_size", "shuffle_block", "max_open_shards"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -9,20 +9,24 @@ resumed job (any world size, worker count or batch size) delivers exactly the re
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import multiprocessing
+import numbers
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ._atomics import fetch_add_u64
+from .checksum import digest_bytes
 from .config import ReadOptions
 from .decode import decode_sample
-from .errors import UnrepairableError, UsageError
+from .errors import StagingError, UnrepairableError, UsageError
 from .order import EpochOrder, NodeAffineOrder, NodeSchedule, RankPlan, node_schedule
 from .pool import keep_freed_heap
 from .reader import DatasetReader
@@ -44,6 +48,11 @@ def _detect_topology() -> Topology:
 
 
 _FROZEN = [0]  # pid of the process that froze what it inherited
+# ShardDataset._shared: epoch, cursor, worker iterations, node order C, U, q, then the
+# DataLoader-worker rounds (see ShardDataset._worker_cursor): claimed round, its start, its
+# finished workers, the start of the round that ended last (-1: none since the position was set).
+_SHARED_SLOTS = 10
+_CLAIM, _ROUND_START, _ROUND_DONE, _ENDED_START = 6, 7, 8, 9
 
 
 def _freeze_inherited() -> None:
@@ -102,11 +111,13 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
 
             self.reader.set_arena(Arena(chunk_bytes=max(CHUNK_BYTES, options.read_block)))
         self._stager: Any = None
-        self._node_order: tuple[int, int, int] | None = None
         # Epoch and resume cursor live in a tiny shared array so that DataLoader workers kept
         # alive across epochs (persistent_workers=True) see set_epoch()/load_state_dict().
-        # A third slot counts iterations in DataLoader workers (see state_dict).
-        self._shared = multiprocessing.RawArray("q", 3)
+        # A third slot counts iterations in DataLoader workers (see state_dict); the next three
+        # hold the node order's parameters once settled or loaded (0: not yet), which
+        # persistent workers must see too (see _node_order); the rest keep the books of the
+        # DataLoader workers' passes (see _worker_cursor).
+        self._shared = multiprocessing.RawArray("q", _SHARED_SLOTS)
         self._worker_iters_seen = 0
         self._topology = topology
         self._delivered = 0
@@ -116,6 +127,10 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         # Bumped whenever the position changes from outside an iteration (set_epoch to another
         # epoch, load_state_dict): a ShardLoader's own count of batches is then stale.
         self._position_gen = 0
+        self._ident: str | None = None  # see _identity
+        self._rounds_here = 0  # DataLoader-worker rounds this process took part in
+        self._round_key = 0
+        self._cursor = 0  # (and the worker-round books)
 
     @property
     def epoch(self) -> int:
@@ -126,12 +141,63 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self._shared[0] = int(value)
 
     @property
+    def _node_order(self) -> tuple[int, int, int] | None:
+        """(C, U, q) of the node-affine order once settled or loaded, else None.  Shared with
+        DataLoader workers like the epoch and the cursor: a state loaded after persistent
+        workers settled their own would otherwise be read against a different order."""
+        c, u, q = self._shared[3:6]
+        return None if c == 0 else (int(c), int(u), int(q))
+
+    @_node_order.setter
+    def _node_order(self, value: tuple[int, int, int] | None) -> None:
+        self._shared[3:6] = (0, 0, 0) if value is None else tuple(int(v) for v in value)
+
+    @property
     def _cursor(self) -> int:
         return int(self._shared[1])
 
     @_cursor.setter
     def _cursor(self, value: int) -> None:
-        self._shared[1] = int(value)
+        """A new position: the next DataLoader-worker round starts from it."""
+        sh = self._shared
+        sh[1] = sh[_ROUND_START] = int(value)
+        sh[_CLAIM] = sh[_ROUND_DONE] = 0
+        sh[_ENDED_START] = -1
+
+    def _worker_cursor(self, info: Any) -> int:
+        """Where this DataLoader worker's pass over the epoch starts.
+
+        The main process cannot see the workers' passes (rounds: one per DataLoader
+        iteration), so they keep the books in the shared array, as the main process does for
+        its own iterations: a round starts from the position (``_cursor``), and the worker
+        that completes a round (the last of its ``num_workers`` to finish) moves the position
+        to 0, so that the next round replays the epoch from its start, as with
+        ``num_workers=0``.  (Before, after a resume every later iteration without
+        ``set_epoch`` read only the tail of the epoch again.)  A round is told by a key its
+        workers share: DataLoader's base seed of the iteration (``info.seed - info.id``, new
+        for each iteration of non-persistent workers) and this process's count of rounds (a
+        persistent worker takes part in every iteration once)."""
+        key = (hash((int(info.seed) - int(info.id), self._rounds_here)) & ((1 << 62) - 1)) | 1
+        self._rounds_here += 1
+        self._round_key = key
+        sh = self._shared
+        if sh[_CLAIM] != key:  # the first worker of a new round (or one that never ended)
+            sh[_CLAIM] = key
+            sh[_ROUND_DONE] = 0
+            sh[_ROUND_START] = sh[1]
+            sh[_ENDED_START] = -1
+        return int(sh[_ROUND_START])
+
+    def _worker_finished(self, info: Any) -> None:
+        """This worker ended its share of its round; the last one ends the round."""
+        sh = self._shared
+        if sh[_CLAIM] != self._round_key:
+            return  # (its round was taken over: a newer iteration started)
+        done = fetch_add_u64(sh, 8 * _ROUND_DONE, 1) + 1
+        if done == info.num_workers and sh[_CLAIM] == self._round_key:
+            sh[_ENDED_START] = sh[_ROUND_START]  # what state_dict(batches=) counts from
+            sh[1] = sh[_ROUND_START] = 0  # the next round replays the epoch from its start
+            sh[_CLAIM] = 0
 
     # --- identity and sizes ------------------------------------------------------------------
     @property
@@ -230,9 +296,9 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None and _FROZEN[0] != os.getpid():
             _freeze_inherited()
-        plan = self._plan()
+        cursor = self._cursor if info is None else self._worker_cursor(info)
+        plan = self._plan(cursor)
         order = self._order()
-        cursor = self._cursor
         if info is None:
             self._iterated_here = True
             self._delivered = 0
@@ -244,9 +310,27 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self._start_staging(self.epoch)
         self.reader.prefer_cache()
         steps = plan.worker_steps(worker, workers)
-        ahead: np.ndarray | None = None
+        try:
+            yield from self._steps(steps, order, plan, cursor, info)
+        finally:
+            if self.cache is not None:
+                # Done reading, or stopped: a report left behind would hold the stager's
+                # frontier at this position (a peek at one sample, an epoch read here before
+                # DataLoader workers took over) for the rest of the job.
+                self.cache.withdraw()
+        if info is None:
+            # The epoch is over: a later iteration without set_epoch() replays it from the start.
+            self._cursor = 0
+            self._finished = True
+        else:
+            self._worker_finished(info)
+
+    def _steps(self, steps: Sequence[int], order: EpochOrder, plan: RankPlan, cursor: int,
+               info: Any) -> Iterator[Any]:
+        """The samples of ``steps`` (this worker's steps of the epoch from ``cursor``)."""
         keep_spare = self.options.on_corrupt == "skip"
         spare: dict[str, Any] | None = None  # the last sample read, for skipped ones
+        ahead: np.ndarray | None = None
         for k, t in enumerate(steps):
             ids = ahead if ahead is not None else self._step_ids(order, plan, cursor, t)
             ahead = None
@@ -269,10 +353,6 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 if info is None:
                     self._delivered += 1
                 yield out
-        if info is None:
-            # The epoch is over: a later iteration without set_epoch() replays it from the start.
-            self._cursor = 0
-            self._finished = True
 
     @staticmethod
     def _step_ids(order: EpochOrder, plan: RankPlan, cursor: int, t: int) -> np.ndarray:
@@ -303,7 +383,16 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             return None
         from .stage import NodeCache
 
-        cache = NodeCache.from_options(self.path, self.reader.manifest, self._stage_options())
+        try:
+            cache = NodeCache.from_options(self.path, self.reader.manifest,
+                                           self._stage_options())
+        except StagingError as exc:
+            if not exc.full:
+                raise
+            # A full disk is the job's condition of the moment, not a mistake in the options:
+            # read directly, as the readers do when the disk fills up later.
+            log.warning("node cache: %s; reading without staging", exc)
+            return None
         if cache is None:
             log.warning("cache_dir='auto' found no node-local directory; reading without staging")
         return cache
@@ -400,6 +489,13 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             # runs the iterator to its end while it collates a partial last batch, before the
             # loop sees that batch.)
             cursor = self._run_cursor + self._plan(self._run_cursor).consumed(int(batches))
+        elif not self._iterated_here or self._shared[2] != self._worker_iters_seen:
+            # DataLoader workers iterate: ``batches`` counts from where their round began, or,
+            # once it ended (the position then went back to the epoch's start), where the
+            # round that ended began.
+            ended = int(self._shared[_ENDED_START])
+            start = ended if ended >= 0 else int(self._shared[_ROUND_START])
+            cursor = start + self._plan(start).consumed(int(batches))
         else:
             cursor = self._cursor + self._plan().consumed(int(batches))
         return {
@@ -411,7 +507,18 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             "shuffle": self.options.shuffle,
             "shuffle_block": self.options.shuffle_block,
             "order": self._order_state(),
+            "dataset": self._identity(),
         }
+
+    def _identity(self) -> str:
+        """A digest of which sample sits at each global index: the shards in order, with
+        their sample counts and digests (not the rest of the manifest, which a rewrite that
+        keeps the shards may change).  A state from another dataset with as many samples
+        would resume at the wrong samples."""
+        if self._ident is None:
+            shards = [[s.path, s.samples, s.digest] for s in self.reader.manifest.shards]
+            self._ident = digest_bytes(json.dumps(shards, separators=(",", ":")).encode())
+        return self._ident
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; world size, workers and batch size may differ.
@@ -437,6 +544,18 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 f"state is for a dataset of {state['num_samples']} samples, this one has "
                 f"{self.num_samples}: resume with the dataset the checkpoint was taken on"
             )
+        if "dataset" in state and state["dataset"] != self._identity():
+            raise UsageError(
+                "state is for another dataset with as many samples (its shards differ: "
+                "repacked, or another source): resume with the dataset the checkpoint was "
+                "taken on, or start the epoch afresh (set_epoch) without loading the state")
+        epoch, cursor = state["epoch"], state["cursor"]
+        for name, value, top in (("epoch", epoch, (1 << 63) - 1),
+                                 ("cursor", cursor, self.num_samples)):
+            if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                    or not 0 <= value <= top):
+                raise UsageError(f"state {name} must be an integer in [0, {top}], got "
+                                 f"{value!r}: pass the dict state_dict() returned, unchanged")
         o = self.options
         mine = (o.seed, o.shuffle, o.shuffle_block)
         theirs = (state["seed"], state["shuffle"], state["shuffle_block"])
@@ -446,6 +565,10 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 f"{mine}; construct the dataset with the same values to resume"
             )
         theirs_order = state.get("order", {"kind": "global"})
+        if not isinstance(theirs_order, dict) or theirs_order.get("kind") not in ("global",
+                                                                                  "node"):
+            raise UsageError(f"state order {theirs_order!r} is not one state_dict() writes: "
+                             "pass the dict state_dict() returned, unchanged")
         if theirs_order["kind"] != o.order:
             raise UsageError(
                 f"state was taken with order={theirs_order['kind']!r}, this dataset uses "
@@ -453,16 +576,24 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         if o.order == "node":
             # The same global order as before, whatever this job's size: locality is kept when
             # the topology matches C, correctness always.
-            params = (int(theirs_order["canonical_nodes"]), int(theirs_order["slice_size"]),
-                      int(theirs_order["canonical_ranks"]))
+            try:
+                params = tuple(int(theirs_order[k]) for k in
+                               ("canonical_nodes", "slice_size", "canonical_ranks"))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise UsageError(f"state order {theirs_order!r} lacks valid node-order "
+                                 "parameters: pass the dict state_dict() returned, "
+                                 "unchanged") from exc
+            if min(params) < 1:
+                raise UsageError(f"state order {theirs_order!r} has node-order parameters "
+                                 "below 1: pass the dict state_dict() returned, unchanged")
             if self._stager is not None and params != self._node_order:
                 # Started before (set_epoch first), it plans with the order it forked with:
                 # the next _start_staging forks one that follows this one.
                 self._stager.stop(2.0)
                 self._stager = None
             self._node_order = params
-        self.epoch = int(state["epoch"])
-        self._cursor = int(state["cursor"])
+        self.epoch = int(epoch)
+        self._cursor = int(cursor)
         self._delivered = 0
         self._finished = False
         self._position_gen += 1
@@ -485,7 +616,11 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         shared = state["_shared"]
         if isinstance(shared, tuple):
-            state["_shared"] = multiprocessing.RawArray("q", (*shared, 0, 0, 0)[:3])
+            shared = (*shared, *[0] * _SHARED_SLOTS)[:_SHARED_SLOTS]
+            old = state.pop("_node_order", None)  # (pickled before it was shared)
+            if old is not None and shared[3] == 0:
+                shared = (*shared[:3], *old)
+            state["_shared"] = multiprocessing.RawArray("q", shared)
         self.__dict__.update(state)
         self.cache = self._node_cache()
         self.reader.ladder.cache = self.cache

@@ -244,12 +244,14 @@ class UnrepairableError(ShardCorruptError):
         attempts: ``(source, reason)`` for each copy tried, in order.
     """
 
-    def __init__(self, shard: str, attempts: list[tuple[str, str]]) -> None:
+    def __init__(self, shard: str, attempts: list[tuple[str, str]], *,
+                 hint: str | None = None) -> None:
         self.shard, self.attempts = shard, list(attempts)
         tried = "; ".join(f"{src}: {why}" for src, why in self.attempts) or "no copy configured"
         super().__init__(
-            f"shard {shard}: no good copy left ({tried}); add a replica (replicas=[...] or "
-            "`shardio repair --replica DIR`), pack with --parity, or set on_corrupt='skip'"
+            f"shard {shard}: no good copy left ({tried}); " + (hint or (
+                "add a replica (replicas=[...] or `shardio repair --replica DIR`), pack with "
+                "--parity, or set on_corrupt='skip'"))
         )
 
 
@@ -262,7 +264,12 @@ class LayoutNotAppliedError(LayoutError):
 
 
 class StagingError(ShardioError):
-    """The node-local cache directory cannot be used as configured (missing, not writable, ...)."""
+    """The node-local cache directory cannot be used as configured (missing, not writable, ...).
+
+    ``full`` is True when the cause is a full filesystem (or quota): a condition of the moment,
+    which a reader meets by reading without staging rather than failing."""
+
+    full = False
 
 
 class ParityError(ShardioError):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 import random
 import signal
@@ -754,7 +755,6 @@ class ShardLoader:
             yield from self._iter_here()
             return
         pool = self._ensure_pool()
-        ds = self.dataset
         steps = range(self._num_steps(self._plan()))
         spec = self._spec(pool.num_workers)
         self._begin_epoch()
@@ -852,6 +852,10 @@ class ShardLoader:
                 self._delivered += 1
                 self._stats.end_wait(started, dict(zip(STAGES, times)))
                 yield batch
+            # A signal that came during the last step is saved now, as the loop with workers
+            # saves it when it asks for the batch after the last (the end of the epoch).
+            if self._preempt_pending and self._preempt_stop():
+                return
             self._stats.begin_wait()  # the last step's compute ends here (as with workers)
         finally:
             if self._iterating is token:
@@ -904,9 +908,15 @@ class ShardLoader:
         """Resume exactly after what :meth:`state_dict` recorded (world size, worker count and
         batch size may differ), with its base seed of the workers' generators (a state without
         one, from a ShardDataset, keeps this loader's)."""
+        seed = state.get("worker_seed") if isinstance(state, dict) else None
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                                 or not 0 <= seed < 1 << 63):
+            # (checked first: a refused state changes nothing)
+            raise UsageError(f"state worker_seed must be an integer in [0, 2**63), got "
+                             f"{seed!r}: pass the dict state_dict() returned, unchanged")
         self.dataset.load_state_dict(state)
-        if state.get("worker_seed") is not None:
-            self.seed = int(state["worker_seed"])
+        if seed is not None:
+            self.seed = int(seed)
         self._delivered = 0
         self._finished = False
         self._gen = self.dataset._position_gen

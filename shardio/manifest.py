@@ -143,6 +143,13 @@ class Manifest:
         if not isinstance(version, int) or version < 1:
             raise ManifestCorruptError(f"{where}: invalid format version {version!r}")
         if version > FORMAT_VERSION:
+            if strict and data.get("manifest_digest") != _body_digest(data):
+                # A newer shardio still seals its manifest so: a version number that fails the
+                # digest is a damaged one (a flipped bit made 1 into 5), not a reason to upgrade.
+                raise ManifestCorruptError(
+                    f"{where} fails its own digest (it says format version {version}, newer "
+                    f"than this shardio reads, {FORMAT_VERSION}): it was edited or damaged; "
+                    "restore it, or rebuild it with `shardio index` (tar) / repack")
             raise ManifestVersionError(
                 f"{where} has format version {version}, newer than this shardio reads "
                 f"({FORMAT_VERSION}); upgrade shardio: pip install -U shardio"

@@ -19,8 +19,11 @@ Node file (little-endian; written by the stager except where noted)::
     24      8     stager_pid    pid of the process staging now, 0 when none
     32      8     idle          0 busy; 1 idle, no reader reported; T+2 idle at frontier time T
     40      8     generation    +1 each time a stager takes the lock
-    64      8*32  counters      u64, in the order of COUNTERS then GAUGES; ``discarded`` is added
-                                to by readers (atomic fetch-add), every other slot by the stager
+    64      8*32  counters      u64, in the order of COUNTERS then GAUGES, then ``removals``
+                                (copies taken out of the cache: evicted, failed re-verification,
+                                discarded; bumped after the copy is unpublished and unlinked);
+                                ``discarded`` and ``removals`` are added to by readers too
+                                (atomic fetch-add), every other slot by the stager only
     320     4*N   state         u32 per shard: ShardState (futex word; readers only read it, except
                                 discard(), which unlinks the copy, then stores REMOTE)
 
@@ -101,6 +104,7 @@ _OFF_PID, _OFF_IDLE, _OFF_GEN, _OFF_COUNTERS, _SLOTS = 24, 32, 40, 64, 32
 _OFF_STATE = _OFF_COUNTERS + 8 * _SLOTS
 _PROGRESS_BYTES = 64
 _SLOT = {name: _OFF_COUNTERS + 8 * n for n, name in enumerate(COUNTERS + GAUGES)}
+_OFF_REMOVALS = _OFF_COUNTERS + 8 * len(_SLOT)  # see the node file layout (not a counter)
 _WAKE_ALL = 1 << 30
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -236,6 +240,9 @@ def _unlink(path: str | None) -> None:
         pass
 
 
+_AT_EXIT: set[tuple[str, int]] = set()  # progress files this process removes at exit
+
+
 def _unlink_if_owner(path: str, pid: int) -> None:
     if os.getpid() == pid:  # atexit handlers are inherited by forked children
         _unlink(path)
@@ -243,8 +250,10 @@ def _unlink_if_owner(path: str, pid: int) -> None:
 
 def _staging_error(exc: OSError, path: str, what: str) -> StagingError:
     why = "the filesystem is full" if exc.errno in _FULL else (exc.strerror or str(exc))
-    return StagingError(f"cannot {what} {path}: {why}; choose another node-local directory "
-                        "(StageOptions(cache_dir=...), cache_dir='auto' or $SHARDIO_CACHE_DIR)")
+    err = StagingError(f"cannot {what} {path}: {why}; choose another node-local directory "
+                       "(StageOptions(cache_dir=...), cache_dir='auto' or $SHARDIO_CACHE_DIR)")
+    err.full = exc.errno in _FULL
+    return err
 
 
 class NodeCache:
@@ -401,9 +410,19 @@ class NodeCache:
         _fetch_add_u64(self._mm, _SLOT["discarded"], 1)
         off = _OFF_STATE + 4 * i
         _store_u32(self._mm, off, int(ShardState.REMOTE))
+        self.note_removal()
         _futex_wake(self._mm, off, _WAKE_ALL)
         log.warning("node cache: discarded the copy of shard %s (%s); the stager copies it again",
                     self.manifest.shards[i].path, reason)
+
+    def removals(self) -> int:
+        """How many times a copy was taken out of the cache (evicted, failed re-verification,
+        discarded) so far: a reader holding copies open checks them again when it changes."""
+        return _load_u64(self._mm, _OFF_REMOVALS)
+
+    def note_removal(self) -> None:
+        """Count a copy taken out (after it was unpublished and unlinked)."""
+        _fetch_add_u64(self._mm, _OFF_REMOVALS, 1)
 
     # --- progress ----------------------------------------------------------------------------
     def report(self, epoch: int, position: int) -> None:
@@ -441,7 +460,9 @@ class NodeCache:
             log.warning("node cache: cannot create %s (%s); the stager will not see this "
                         "process's progress", path, exc)
             return
-        atexit.register(_unlink_if_owner, path, pid)
+        if (path, pid) not in _AT_EXIT:  # (once: a withdrawn report is made again)
+            _AT_EXIT.add((path, pid))
+            atexit.register(_unlink_if_owner, path, pid)
 
     def frontier(self) -> tuple[int, int] | None:
         """The smallest ``(epoch, position)`` reported by a live process, or ``None``."""
@@ -451,6 +472,16 @@ class NodeCache:
         finally:
             reporters.close()
         return None if span is None else _split(span[0])
+
+    def withdraw(self) -> None:
+        """Take back this process's report (it stopped reading for now): remove its progress
+        file; the next :meth:`report` makes a new one.  A process that peeked at a sample, or
+        read an epoch itself before DataLoader workers took over, would otherwise hold the
+        frontier at that old position for the rest of the job."""
+        if self._progress_pid == os.getpid() and self._progress is not None:
+            _unlink(os.path.join(self.progress_dir, str(self._progress_pid)))
+            self._progress = None
+            self._progress_forks = -1  # the next report creates the file again
 
     def close(self) -> None:
         """Stop reporting: remove this process's progress file (lookups keep working).  A process

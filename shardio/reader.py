@@ -123,6 +123,7 @@ class DatasetReader:
         self._osts: dict[int, int | None] = {}
         self._readers: OrderedDict[int, tuple[Copy, ShardReader]] = OrderedDict()
         self._reopened = 0  # counts changes to _readers (read_ids' batch reads look at it)
+        self._removals_seen = -1  # the node cache's removal count at the last look
         self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
         self._advised: set[int] = set()
         self.arena: Any = None
@@ -280,7 +281,27 @@ class DatasetReader:
                  if copy.kind != "cache" and cache.lookup(i, wait=0) is not None]
         for i in moved:
             self._drop(i)
-        return len(moved)
+        return len(moved) + self._leave_removed()
+
+    def _leave_removed(self) -> int:
+        """Close the readers of node-cache copies that were taken out of the cache since they
+        were opened (the stager evicted one, or re-hashed it, found it bad and copied the shard
+        again): a descriptor kept open since an earlier step would read on from the unlinked
+        file.  Their next read opens down the ladder again.  Called before each batch: one
+        load of the node's removal count, and a stat per copy held open only when it moved.
+        Returns how many were closed."""
+        cache = self.ladder.cache
+        if cache is None:
+            return 0
+        seen = cache.removals()
+        if seen == self._removals_seen:
+            return 0
+        self._removals_seen = seen
+        stale = [i for i, (copy, r) in self._readers.items()
+                 if copy.kind == "cache" and not _same_file(r, cache.path(i))]
+        for i in stale:
+            self._drop(i)
+        return len(stale)
 
     def _drop(self, i: int) -> Copy | None:
         got = self._readers.pop(i, None)
@@ -359,7 +380,14 @@ class DatasetReader:
         s, j = self.locate(i)
         for sample in self._read_run(s, j, j + 1):
             return sample
-        raise UnrepairableError(self.manifest.shards[s].path, [("all copies", "skipped")])
+        # (on_corrupt="skip": iteration leaves the sample out, random access has nothing to
+        # return in its place)
+        tried = self.ladder.gave_up.pop(s, None) or [("all copies", "skipped")]
+        raise UnrepairableError(
+            self.manifest.shards[s].path, tried,
+            hint="on_corrupt='skip' leaves a sample out of an iteration, but random access "
+                 "has nothing to return in its place: add a replica (replicas=[...]) or "
+                 "repair the shard (`shardio repair`)")
 
     def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(shard, index in shard, cut)`` of non-empty ``ids``: ``cut[k]`` is True where
@@ -404,6 +432,8 @@ class DatasetReader:
             return
         shards_a, local_a, cut_a = self._locate(ids)
         local, shard_list, cut = local_a.tolist(), shards_a.tolist(), cut_a.tolist()
+        if self.ladder.cache is not None:
+            self._leave_removed()
         n = len(local)
         k = 0
         seen, refreshes = self._reopened, 0
@@ -529,6 +559,23 @@ class DatasetReader:
         state["_readers"], state["_indexes"], state["_advised"] = OrderedDict(), OrderedDict(), set()
         state["_fs"], state["_osts"] = None, {}
         return state
+
+
+def _same_file(reader: ShardReader, path: str) -> bool:
+    """Whether the copy ``reader`` reads (its open descriptor, when it has one) is the file
+    at ``path`` now."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    fd = reader.open_fd()
+    if fd is None:
+        return True
+    try:
+        held = os.fstat(fd)
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
 
 
 def open_dataset(root: str | os.PathLike[str], *, verify: bool = True,

@@ -167,6 +167,8 @@ class CopyLadder:
         self._bad: dict[int, set[str]] = {}
         self._bad_samples: dict[int, set[tuple[str, int]]] = {}
         self._attempts: dict[int, list[tuple[str, str]]] = {}
+        # The copies tried when the ladder last gave up on a shard (see give_up).
+        self.gave_up: dict[int, list[tuple[str, str]]] = {}
         self._last: dict[int, BaseException] = {}
         self._rebuilt_dir: str | None = None
         # (path, inode, size, mtime) of rebuilt copies found good in this process.
@@ -234,7 +236,8 @@ class CopyLadder:
         it when quarantine is allowed."""
         original = self.original(i)
         if (copy.kind != "original" and self.quarantine and self._is_bad(i, original)
-                and restore_original(self.root, self.entry(i), copy.path, self.counters)):
+                and restore_original(self.root, self.entry(i), copy.path, self.counters,
+                                     self.manifest)):
             self._bad.get(i, set()).discard(original)
             self._bad_samples[i] = {b for b in self._bad_samples.get(i, ()) if b[0] != original}
 
@@ -253,9 +256,15 @@ class CopyLadder:
         last = self._last.pop(i, None)
         self._bad.pop(i, None)
         self._bad_samples.pop(i, None)
+        self.gave_up[i] = attempts  # (random access under on_corrupt="skip" reports them)
         if len(attempts) == 1 and isinstance(last, Exception):
             return last
-        err = UnrepairableError(self.entry(i).path, attempts)
+        hint = None
+        if self.manifest.parity:  # ("pack with --parity" would be no advice here)
+            hint = ("more of its parity group is lost than parity covers: add a replica "
+                    "(replicas=[...] or `shardio repair --replica DIR`), or set "
+                    "on_corrupt='skip'")
+        err = UnrepairableError(self.entry(i).path, attempts, hint=hint)
         err.__cause__ = last
         return err
 
@@ -336,7 +345,12 @@ def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:
         return
     dest = shard_path + ".idx"
     if os.path.exists(dest):
-        return
+        if index_file_ok(dest, entry):
+            return
+        # Damaged since it was made (the rebuilt shard itself checked out): without this, every
+        # reader failed on the index for good although the shard beside it was good.
+        log.warning("the index of rebuilt shard %s is damaged; making it again", shard_path)
+        _unlink_missing_ok(dest)
     for base in (ladder.root, *ladder.replicas):
         src = resolve_in(base, entry.index)
         try:
@@ -345,12 +359,17 @@ def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:
                 return
         except OSError:
             continue
+    _scan_index(ladder.manifest, entry, shard_path, dest)
+
+
+def _scan_index(m: Manifest, entry: ShardEntry, shard_path: str, dest: str) -> None:
+    """Write at ``dest`` an index read from the tar ``shard_path`` (a copy that matched the
+    manifest's digest)."""
     from .formats.tar import index_tar
 
     # The shard was verified against its manifest digest: an index read from it, as shardio
     # wrote it, says where its samples are (the packer's own index records the pack job too,
     # so this one's digest differs from the manifest's: see DatasetReader._open_copy).
-    m = ladder.manifest
     zstd = (m.compression or {}).get("codec") == "zstd"
     index, _ = index_tar(shard_path, m.checksum, webdataset=False,
                          zstd_fields=set(m.fields) if zstd else None)
@@ -359,6 +378,35 @@ def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:
     with open(tmp, "wb") as f:
         f.write(index.to_bytes())
     os.replace(tmp, dest)
+
+
+def restore_index(root: str, entry: ShardEntry, shard: str, sources: Iterable[tuple[str, str]],
+                  manifest: Manifest | None) -> str | None:
+    """Make the index file of ``entry`` in ``root`` one it may use (:func:`index_file_ok`),
+    the shard file being good: keep it when it is; else copy the first of ``sources``
+    (``(index path, what it is)``) that :func:`index_file_ok` accepts; else read one from
+    ``shard`` (a tar that matches the manifest's digest; needs ``manifest``).  Returns where
+    the index came from ("" when it was fine), or None when no good index could be made."""
+    if entry.index is None:
+        return ""
+    dest = resolve_in(root, entry.index)
+    if index_file_ok(dest, entry):
+        return ""
+    for src, what in sources:
+        try:
+            if _copy_index(src, dest, entry):
+                return what
+        except OSError as exc:
+            log.warning("cannot copy the index %s to %s: %s", src, dest, exc)
+    if (manifest is None or manifest.shard_format != "tar"
+            or not _matches(shard, entry.digest, entry.bytes)):
+        return None
+    try:
+        _scan_index(manifest, entry, shard, dest)
+    except (OSError, ShardioError) as exc:
+        log.warning("cannot read an index from %s: %s", shard, exc)
+        return None
+    return "an index read from the shard itself"
 
 
 def rebuilt_index_matches(index: ShardIndex, entry: ShardEntry) -> bool:
@@ -419,11 +467,14 @@ def _copy_verified(src: str, dest: str, digest: str | None) -> None:
 
 
 def restore_original(root: str, entry: ShardEntry, good: str,
-                     counters: RepairCounters | None = None) -> bool:
+                     counters: RepairCounters | None = None,
+                     manifest: Manifest | None = None) -> bool:
     """Move the bad original of ``entry`` into ``<root>/.quarantine/`` and publish a verified
-    copy of ``good`` in its place (with its index).  Serialised across processes by a lock file;
-    returns False when the original turned out fine (another process restored it) or when the
-    good copy does not match the manifest."""
+    copy of ``good`` in its place, with a good index (:func:`restore_index`: the good copy's,
+    else one read from the shard).  An original whose shard file is fine but whose index is
+    not gets a good index only.  Serialised across processes by a lock file; returns False
+    when nothing needed restoring (another process restored it), when the good copy does not
+    match the manifest, or when no good index could be made for the shard."""
     original = resolve_in(root, entry.path)
     lock_path = os.path.join(root, ".shardio-repair.lock")
     try:
@@ -433,8 +484,17 @@ def restore_original(root: str, entry: ShardEntry, good: str,
         return False
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        sources = [(good + ".idx", f"the index of {good}")]
         if _matches(original, entry.digest, entry.bytes):
-            return False
+            # The shard is fine: restored by another process, or only its index is bad (an
+            # original that kept failing over on its index was never mended).
+            came = restore_index(root, entry, original, sources, manifest)
+            if not came:
+                return False
+            if counters is not None:
+                counters.add("originals_restored")
+            log.warning("shard %s: bad index restored (%s)", entry.path, came)
+            return True
         if not _matches(good, entry.digest, entry.bytes):
             return False
         if os.path.exists(original):
@@ -445,10 +505,11 @@ def restore_original(root: str, entry: ShardEntry, good: str,
             if counters is not None:
                 counters.add("quarantined")
         _copy_verified(good, original, entry.digest)
-        if entry.index is not None:
-            idx = resolve_in(root, entry.index)
-            if not index_file_ok(idx, entry) and os.path.exists(good + ".idx"):
-                _copy_index(good + ".idx", idx, entry)
+        if restore_index(root, entry, original, sources, manifest) is None:
+            # (the shard is mended, but not its index: not a repair to report as done)
+            log.warning("shard %s restored from %s, but no good index for it could be made: "
+                        "restore %s from a good copy", entry.path, good, entry.index)
+            return False
         if counters is not None:
             counters.add("originals_restored")
         log.warning("shard %s: bad original quarantined and restored from %s", entry.path, good)
@@ -541,12 +602,18 @@ def _repair_dictionary(root: str, manifest: Manifest, replicas: Sequence[str],
 
 def _repair_one(ladder: CopyLadder, i: int, replicas: Sequence[str], use_parity: bool) -> str | None:
     entry = ladder.entry(i)
-    ladder._bad.setdefault(i, set()).add(ladder.original(i))
+    original = ladder.original(i)
+    if _matches(original, entry.digest, entry.bytes):
+        # Only the index is bad: a replica's, else one read from the shard itself (a tar lost
+        # only its .idx needs no other copy, parity or replica).
+        sources = [(resolve_in(r, entry.index), f"the index of replica {r}") for r in replicas
+                   if entry.index is not None]
+        return restore_index(ladder.root, entry, original, sources, ladder.manifest) or None
+    ladder._bad.setdefault(i, set()).add(original)
     for r in replicas:
         cand = resolve_in(r, entry.path)
-        if _matches(cand, entry.digest, entry.bytes) and (
-                restore_original(ladder.root, entry, cand, ladder.counters)
-                or _index_only(ladder, i, r)):
+        if _matches(cand, entry.digest, entry.bytes) and restore_original(
+                ladder.root, entry, cand, ladder.counters, ladder.manifest):
             return f"replica {r}"
     if use_parity and ladder.manifest.parity:
         try:
@@ -555,7 +622,7 @@ def _repair_one(ladder: CopyLadder, i: int, replicas: Sequence[str], use_parity:
             log.warning("shard %s: parity rebuild failed: %s", entry.path, exc)
             return None
         try:
-            if restore_original(ladder.root, entry, rebuilt, ladder.counters):
+            if restore_original(ladder.root, entry, rebuilt, ladder.counters, ladder.manifest):
                 return "parity"
         finally:
             for p in (rebuilt, rebuilt + ".idx"):
@@ -564,18 +631,3 @@ def _repair_one(ladder: CopyLadder, i: int, replicas: Sequence[str], use_parity:
                 except FileNotFoundError:
                     pass
     return None
-
-
-def _index_only(ladder: CopyLadder, i: int, replica: str) -> bool:
-    """The shard itself is fine but its index file is bad: restore just the index."""
-    entry = ladder.entry(i)
-    if entry.index is None or not _matches(ladder.original(i), entry.digest, entry.bytes):
-        return False
-    src = resolve_in(replica, entry.index)
-    if not _matches(src, entry.index_digest or None, None):
-        return False
-    try:
-        _copy_verified(src, resolve_in(ladder.root, entry.index), entry.index_digest or None)
-    except OSError as exc:
-        raise translate_oserror(exc, src, "restoring index") from exc
-    return True

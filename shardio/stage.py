@@ -164,16 +164,18 @@ class _Runner:
         self._idle = -1
         self._warned = False
         self._buf = bytearray(_BLOCK)
-        self._counted: set[tuple[str, int, int]] = set()
+        self._counted: set[tuple[int, int]] = set()  # uses (shard, epoch) counted (_count_use)
 
     # --- bookkeeping ---------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
         _fetch_add_u64(self.mm, _SLOT[name], n)
 
     def _count_use(self, name: str, shard: int, epoch: int) -> None:
-        """Count a use once, although re-planning may decide it again."""
-        if (name, shard, epoch) not in self._counted:
-            self._counted.add((name, shard, epoch))
+        """Count a use once, as what was decided for it first, although re-planning may decide
+        it again, or otherwise (a use bypassed while planning ahead, then begun by the readers
+        when they reached it, was counted as both ``bypassed`` and ``skipped_in_use``)."""
+        if (shard, epoch) not in self._counted:
+            self._counted.add((shard, epoch))
             self._count(name)
 
     def _gauges(self) -> None:
@@ -249,8 +251,11 @@ class _Runner:
                 p.cached[i] = size
                 p.used += size
             want = ShardState.LOCAL if size is not None else ShardState.REMOTE
-            if _load_u32(self.mm, _OFF_STATE + 4 * i) != want:
+            was = _load_u32(self.mm, _OFF_STATE + 4 * i)
+            if was != want:
                 self._set_state(i, want)
+                if was == ShardState.LOCAL:  # (a copy that is not whole any more)
+                    cache.note_removal()
         for i in [i for i in self.verified if i not in p.cached]:
             del self.verified[i]
         p.verified = self.verified
@@ -295,7 +300,7 @@ class _Runner:
                 pe = pe if target is None else target
             if pe != p.epoch:
                 p.plan(pe, [(e, self._schedule(e)) for e in epochs.horizon(pe, lookahead)])
-                self._counted = {c for c in self._counted if c[2] >= pe}
+                self._counted = {c for c in self._counted if c[1] >= pe}
             self._sync_discards(hi)
             act = p.next_action(lo, hi)
             if act[0] in ("wait", "end"):
@@ -335,6 +340,7 @@ class _Runner:
                 _unlink(path)
             except OSError as exc:
                 log.warning("node cache: cannot remove %s: %s", path, exc)
+        self.cache.note_removal()  # readers holding the copy open let it go
         self.planner.evict(j)
         self._gauges()
         self._event(event, j, epoch)

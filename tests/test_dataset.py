@@ -438,9 +438,17 @@ def test_resume_world4_workers2_to_world3_workers3(tiny: Path, remainder: str) -
     cursor = k * 4 * 8
     assert states[0]["cursor"] == cursor
     state = json.loads(json.dumps(states[0]))  # a checkpoint goes through a file
+    resumed = shardio.ShardDataset(tiny, batch_size=5, remainder=remainder,
+                                   topology=shardio.Topology(rank=0, world_size=3), **opts)
+    resumed.load_state_dict(state)
+    expected_len = len(resumed)
     after, later = run_ranks(tiny, 3, 5, 3, remainder=remainder, state=state, **opts)
     assert len({len(b) for b in after}) == 1
-    assert len({len(flat(b)) for b in after}) == 1 and len(later[0]) == len(flat(after[0]))
+    assert len({len(flat(b)) for b in after}) == 1 and expected_len == len(flat(after[0]))
+    # The resumed epoch was delivered: the next iteration replays the whole epoch.
+    whole = shardio.ShardDataset(tiny, batch_size=5, remainder=remainder,
+                                 topology=shardio.Topology(rank=0, world_size=3), **opts)
+    assert len(later[0]) == len(whole)
 
     order = epoch_keys(tiny, seed=11)
     first = [x for b in before for x in flat(b)]
@@ -581,6 +589,96 @@ def test_load_state_dict_rejects_another_order_or_dataset(tiny: Path, few: Path)
     with pytest.raises(UsageError, match="lacks cursor"):
         shardio.ShardDataset(tiny, seed=1).load_state_dict(
             {k: v for k, v in state.items() if k != "cursor"})
+
+
+def test_a_state_of_another_dataset_with_as_many_samples_is_refused(
+        tiny: Path, tmp_path: Path) -> None:
+    """The same 301 files packed 7 to a shard hold other samples at each index: a checkpoint of
+    one resumed on the other delivered some samples twice and lost others."""
+    state = shardio.ShardDataset(tiny, seed=1, batch_size=8).state_dict(batches=3)
+    repacked = pack_text(tmp_path, N, 7)
+    assert shardio.Manifest.load(repacked).num_samples == N
+    other = shardio.ShardDataset(repacked, seed=1, batch_size=8)
+    with pytest.raises(UsageError, match="another dataset with as many samples"):
+        other.load_state_dict(state)
+    assert (other.epoch, other._cursor) == (0, 0)  # a refused state changes nothing
+    same = shardio.ShardDataset(tiny, seed=1, batch_size=8)  # another object, the same data
+    same.load_state_dict(state)
+    assert same._cursor == 24
+    older = {k: v for k, v in state.items() if k != "dataset"}  # written before the field
+    shardio.ShardDataset(repacked, seed=1, batch_size=8).load_state_dict(older)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"cursor": -5}, "cursor must be an integer"),
+    ({"cursor": N + 1}, "cursor must be an integer"),
+    ({"cursor": None}, "cursor must be an integer"),
+    ({"cursor": 2.0}, "cursor must be an integer"),
+    ({"epoch": -1}, "epoch must be an integer"),
+    ({"epoch": "3"}, "epoch must be an integer"),
+    ({"order": {}}, "not one state_dict"),
+    ({"order": "global"}, "not one state_dict"),
+])
+def test_a_malformed_state_is_refused_and_changes_nothing(tiny: Path, change: dict[str, Any],
+                                                          match: str) -> None:
+    """They loaded (a cursor past the end gave an empty epoch, a negative one a numpy error
+    mid-iteration) or raised KeyError/TypeError after the epoch had been changed."""
+    state = shardio.ShardDataset(tiny, seed=1, batch_size=8).state_dict(batches=2)
+    ds = shardio.ShardDataset(tiny, seed=1, batch_size=8)
+    ds.set_epoch(7)
+    with pytest.raises(UsageError, match=match):
+        ds.load_state_dict(state | change)
+    assert (ds.epoch, ds._cursor) == (7, 0)
+
+
+def test_resumed_under_workers_a_node_order_state_loaded_late_is_seen(tmp_path: Path) -> None:
+    """order="node" under DataLoader(persistent_workers=True): a state loaded after the
+    workers had settled their own node-order parameters was read against those (80 distinct
+    samples of 96, 16 twice); the parameters now live in shared memory like the cursor."""
+    root = pack_text(tmp_path, 96, 8)
+    saved = shardio.ShardDataset(root, seed=5, batch_size=4, order="node",
+                                 topology=shardio.Topology(rank=0, world_size=4, local_rank=0,
+                                                           local_world_size=2))
+    state = saved.state_dict(batches=3)
+    assert state["order"]["canonical_nodes"] == 2
+    ds = shardio.ShardDataset(root, seed=5, batch_size=4, order="node")
+    dl = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True,
+                    collate_fn=collate_keys)
+    for _ in dl:  # the workers settle this job's parameters (one node)
+        pass
+    ds.load_state_dict(state)
+    rest = [k for b in dl for k in b]
+    fresh = shardio.ShardDataset(root, seed=5, batch_size=4, order="node")
+    fresh.load_state_dict(state)  # loaded before anything was settled: the reference
+    expected = [s["__key__"] for s in fresh]
+    assert 0 < len(expected) < 96 and len(set(expected)) == len(expected)
+    assert rest == expected
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_after_a_resume_later_iterations_under_workers_replay_the_whole_epoch(
+        tiny: Path, persistent: bool) -> None:
+    """Under DataLoader workers, every iteration after load_state_dict() without set_epoch
+    started from the loaded position again: 301 - 24 samples each time, where num_workers=0
+    (and ShardLoader) replay the whole epoch once the resumed one ended.  The workers now keep
+    the books themselves; len() and state_dict(batches=) follow them."""
+    whole = epoch_keys(tiny, seed=1)
+    ds = shardio.ShardDataset(tiny, seed=1, batch_size=8)
+    ds.load_state_dict(shardio.ShardDataset(tiny, seed=1, batch_size=8).state_dict(batches=3))
+    dl = DataLoader(ds, batch_size=8, num_workers=2, persistent_workers=persistent,
+                    collate_fn=collate_keys)
+    assert len(dl) == 35  # (301 - 24) / 8, rounded up
+    first = [k for b in dl for k in b]
+    assert sorted(first) == sorted(whole[24:])
+    assert ds.state_dict(batches=len(first) // 8 + 1)["cursor"] == N  # the resumed epoch ended
+    assert len(dl) == 38  # the next iteration replays all 301
+    second = flat(load_batches(ds, 8, 2, max_batches=5))  # (a new loader: a new round too)
+    assert sorted(second) == sorted(whole[:40])
+    assert ds.state_dict(batches=5)["cursor"] == 40  # counted from the epoch's start
+    third = [k for b in dl for k in b]  # the broken round above never ended: from 0 again
+    assert sorted(third) == sorted(whole)
+    ds.load_state_dict(ds.state_dict(batches=2) | {"cursor": 16})
+    assert sorted(k for b in dl for k in b) == sorted(whole[16:])
 
 
 def test_set_epoch_changes_the_order(tiny: Path) -> None:

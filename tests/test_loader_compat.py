@@ -548,3 +548,18 @@ def test_stats_count_the_last_steps_compute(text: Path, workers: int,
     s = loader.stats()
     assert s["steps"] == steps
     assert s["compute_s"] >= 0.01 * steps, (s["compute_s"], steps)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, 2**70, "7", True])
+def test_a_malformed_worker_seed_is_refused_and_changes_nothing(
+        text: Path, make_loader: Callable[..., ShardLoader], seed: Any) -> None:
+    """A float or out-of-range worker_seed was taken as it came (2**70 overflowed the workers'
+    int64 seeds later), a negative one failed with a ValueError after the dataset had already
+    moved to the state's position."""
+    loader = make_loader(ShardDataset(text, seed=3), 4, num_workers=0)
+    state = make_loader(ShardDataset(text, seed=3), 4, num_workers=0).state_dict()
+    loader.dataset.set_epoch(5)
+    before = loader.seed
+    with pytest.raises(UsageError, match="worker_seed must be an integer"):
+        loader.load_state_dict(state | {"worker_seed": seed, "cursor": 8})
+    assert (loader.seed, loader.dataset.epoch, loader.dataset._cursor) == (before, 5, 0)

@@ -28,6 +28,7 @@ from shardio.errors import (
     BrokenSymlinkError,
     DuplicateKeyError,
     EmptySourceError,
+    ManifestCorruptError,
     ManifestVersionError,
     NonUtf8NameError,
     OutputInsideSourceError,
@@ -40,7 +41,7 @@ from shardio.errors import (
     UnreadableFileError,
     UsageError,
 )
-from shardio.manifest import Manifest
+from shardio.manifest import Manifest, _body_digest
 from tests.conftest import default_sigint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1007,6 +1008,10 @@ def test_manifest_from_newer_version(cli: Cli, tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     data["version"] = 99
     data["a_field_from_the_future"] = {"x": 1}
+    path.write_text(json.dumps(data))  # a version that fails the digest: damage, not newness
+    with pytest.raises(ManifestCorruptError, match="fails its own digest.*version 99"):
+        Manifest.load(str(out))
+    data["manifest_digest"] = _body_digest(data)  # sealed, as every shardio seals its manifest
     path.write_text(json.dumps(data))
     with pytest.raises(ManifestVersionError) as ei:
         Manifest.load(str(out))

@@ -128,6 +128,29 @@ def test_signal_between_iterations_ends_the_next_one(data: Path, tmp_path: Path,
     assert sorted(epoch1) == sorted(first) and len(epoch1) == len(first)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_signal_during_the_last_step_is_saved_when_the_epoch_ends(data: Path, tmp_path: Path,
+                                                                  workers: int) -> None:
+    """num_workers=0: a signal that came while the loop held the epoch's last batch was never
+    saved (nor loader.preempted set) when the iteration ended; it waited for some later
+    iteration.  A job killed during its final evaluation had no loader checkpoint."""
+    state = tmp_path / "state.json"
+    old = signal.getsignal(signal.SIGUSR2)
+    try:
+        with shardio.ShardLoader(shardio.ShardDataset(data, batch_size=4), 4,
+                                 num_workers=workers) as loader:
+            loader.save_on_signal(state, signum=signal.SIGUSR2)
+            n = len(loader)
+            for i, _batch in enumerate(loader):
+                if i == n - 1:
+                    os.kill(os.getpid(), signal.SIGUSR2)  # the warning, during the last step
+            assert loader.preempted and state.exists()
+            saved = json.loads(state.read_text())
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+    assert (saved["epoch"], saved["cursor"]) == (0, loader.dataset.num_samples)
+
+
 class _SignalMainAt:
     """Worker transform: sends SIGUSR2 to the training process on one key, while the training
     process waits for that key's batch (the worker is slower than the training step)."""

@@ -240,6 +240,21 @@ def test_parity_rebuilds_a_lost_shard_while_reading(image_tree: Path, tmp_path: 
     assert c["parity_rebuilt"] == 2 and c["missing"] == 1 and c["checksum_mismatch"] == 1
 
 
+def _lost_with_its_index(image_tree: Path, tmp_path: Path,
+                         shard: int) -> tuple[Path, list[tuple[str, bytes]]]:
+    """A dataset packed with parity 3+1 whose tar ``shard`` was lost with its ``.idx``, read
+    once (which rebuilds both); and its clean sample list."""
+    pytest.importorskip("zfec")
+    root = tmp_path / "ds"
+    pack(image_tree, root, PackOptions(samples_per_shard=9, fsync=False, parity="3+1"))
+    with DatasetReader(root) as r:
+        clean = [(s["__key__"], s["jpg"]) for s in r]
+    for name in (f"shard-{shard:06d}.tar", f"shard-{shard:06d}.tar.idx"):
+        os.unlink(root / name)
+    assert epoch(shardio.ShardDataset(root, shuffle=False)) == clean
+    return root, clean
+
+
 def test_parity_serves_and_repairs_a_shard_lost_with_its_index(image_tree: Path, cli,
                                                                tmp_path: Path) -> None:
     """Parity covers the shard files, not the ``.idx`` beside a tar: a shard lost together with
@@ -247,14 +262,7 @@ def test_parity_serves_and_repairs_a_shard_lost_with_its_index(image_tree: Path,
     manifest's (the packer's index also records the pack job), yet it must serve reads, let
     ``verify --repair`` finish the repair (it restored the tar, left no index and said "pack
     with --parity"), and verify clean."""
-    pytest.importorskip("zfec")
-    root = tmp_path / "ds"
-    pack(image_tree, root, PackOptions(samples_per_shard=9, fsync=False, parity="3+1"))
-    with DatasetReader(root) as r:
-        clean = [(s["__key__"], s["jpg"]) for s in r]
-    for name in ("shard-000004.tar", "shard-000004.tar.idx"):
-        os.unlink(root / name)
-    assert epoch(shardio.ShardDataset(root, shuffle=False)) == clean
+    root, clean = _lost_with_its_index(image_tree, tmp_path, 4)
     rc, out, err = cli("verify", root, "--repair")
     assert rc == 0, out + err
     assert "repaired shard-000004.tar from parity" in out
@@ -483,3 +491,94 @@ def test_quarantine_restores_an_original_that_fails_to_open(data, how: str) -> N
     c = ds.reader.counters.snapshot()
     assert c["originals_restored"] == 1
     assert verify_dataset(str(root)) == []
+
+
+def test_a_shard_gone_after_it_was_opened_is_missing_not_an_io_error(data) -> None:
+    """Deleted after its index was loaded but before its descriptor opened (prefetch, an
+    evicted reader, a fork): counted as io_error, as "[Errno None] ... is missing"."""
+    root, replica, clean = data
+    with DatasetReader(root, replicas=[str(replica)]) as r:
+        r.shard(0)  # opened: index loaded, no descriptor yet
+        os.unlink(root / "shard-000000.tar")
+        got = list(r.iter_shard(0))
+        c = r.counters.snapshot()
+    assert [(s["__key__"], s["jpg"]) for s in got] == clean[:9]
+    assert (c["missing"], c["io_error"]) == (1, 0)
+    shutil.copy(replica / "shard-000000.tar", root / "shard-000000.tar")
+    with DatasetReader(root) as r:
+        r.shard(0)
+        os.unlink(root / "shard-000000.tar")
+        with pytest.raises(ShardNotFoundError, match="missing"):
+            list(r.iter_shard(0))
+
+
+def test_repair_mends_an_index_when_the_replicas_is_bad_too(data, cli) -> None:
+    """The original shard and its .idx damaged, the replica's shard good but its .idx damaged
+    too: repair restored the shard, kept the bad index and still said "repaired" (exit 0);
+    verify then failed and reads of the shard were unrepairable.  The index is now read from
+    the restored shard."""
+    root, replica, clean = data
+    flip_bits(str(root / "shard-000000.tar"), offset=2000)
+    for base in (root, replica):
+        flip_bits(str(base / "shard-000000.tar.idx"), offset=40)
+    rc, out, err = cli("repair", root, "--replica", replica)
+    assert rc == 0, out + err
+    assert "repaired shard-000000.tar from replica" in out
+    assert verify_dataset(str(root)) == []
+    assert epoch(shardio.ShardDataset(root, shuffle=False)) == clean
+
+
+def test_repair_reads_a_lost_index_from_its_good_shard(data, cli) -> None:
+    """Only a tar's .idx lost, no replica, no parity: `verify --repair` and `repair` said
+    "NOT repaired ... no good copy" although the shard beside it was whole."""
+    root, _replica, clean = data
+    os.unlink(root / "shard-000003.tar.idx")
+    rc, out, err = cli("verify", root, "--repair")
+    assert rc == 0, out + err
+    assert "repaired shard-000003.tar from an index read from the shard itself" in out
+    assert verify_dataset(str(root)) == []
+    assert epoch(shardio.ShardDataset(root, shuffle=False)) == clean
+
+
+def test_quarantine_mends_an_original_whose_index_alone_is_bad(data) -> None:
+    """quarantine=True never restored an original whose shard was fine but whose .idx was
+    damaged: every process failed over to the replica and counted index_corrupt again."""
+    root, replica, clean = data
+    flip_bits(str(root / "shard-000002.tar.idx"), offset=40)
+    for run in range(2):
+        ds = shardio.ShardDataset(root, shuffle=False, replicas=[str(replica)], quarantine=True)
+        assert epoch(ds) == clean
+        c = ds.reader.counters.snapshot()
+        assert (c["index_corrupt"], c["originals_restored"]) == ((1, 1) if run == 0 else (0, 0))
+    assert verify_dataset(str(root)) == []
+
+
+def test_a_damaged_index_of_a_rebuilt_shard_is_made_again(image_tree: Path,
+                                                           tmp_path: Path) -> None:
+    """A shard lost with its index is rebuilt from parity (with an index read from it); one
+    bit flipped later in that rebuilt .idx made the shard unrepairable for good: the index
+    beside a good rebuilt shard was never made again."""
+    root, clean = _lost_with_its_index(image_tree, tmp_path, 1)
+    rebuilt = next(root.rglob(".shardio-rebuilt/shard-000001.tar.idx"))
+    flip_bits(str(rebuilt), offset=40)
+    assert epoch(shardio.ShardDataset(root, shuffle=False)) == clean
+
+
+def test_unrepairable_errors_give_advice_that_fits(image_tree: Path, tmp_path: Path) -> None:
+    """A dataset packed with parity was told to "pack with --parity"; random access under
+    on_corrupt="skip" listed no copy ("all copies: skipped") and advised setting the
+    on_corrupt="skip" it had."""
+    pytest.importorskip("zfec")
+    root = tmp_path / "ds"
+    pack(image_tree, root, PackOptions(samples_per_shard=9, fsync=False, parity="3+1"))
+    os.unlink(root / "shard-000001.tar")
+    parity = sorted((root / "parity").iterdir())[0]
+    os.unlink(parity)  # more of the group lost than parity covers
+    with DatasetReader(root) as r, pytest.raises(UnrepairableError) as err:
+        list(r.iter_shard(1))
+    assert "pack with --parity" not in str(err.value)
+    assert "more of its parity group is lost" in str(err.value)
+    with DatasetReader(root, on_corrupt="skip") as r, pytest.raises(UnrepairableError) as err:
+        r[9]
+    text = str(err.value)
+    assert "original" in text and "missing" in text and "set on_corrupt='skip'" not in text

@@ -205,3 +205,82 @@ def test_a_copy_dropped_between_lookup_and_open_is_not_a_fault(
     for name in ("missing", "failovers", "cache_discarded", "index_corrupt", "io_error"):
         assert delta(before, after, name) == 0, name
     assert delta(before, after, "bytes_original") > 0  # shard 1, from the original
+
+
+def test_a_copy_restaged_after_a_failed_rehash_is_not_read_through_an_old_descriptor(
+        shared: Path, tmp_path: Path) -> None:
+    """verify=False: the stager re-hashes reused copies, drops a bad one and copies the shard
+    again.  The reader had the bad copy open since the last epoch and kept reading the
+    unlinked file through that descriptor: corrupt bytes reached the model."""
+    cache = tmp_path / "nvme"
+    cache.mkdir()
+    reference = {s["__key__"]: bytes(s["jpg"])
+                 for s in shardio.ShardDataset(shared, shuffle=False)}
+    ds = shardio.ShardDataset(shared, shuffle=False, verify=False, cache_dir=str(cache),
+                              cache_reserve=0, stage_lookahead=0, prefetch_shards=False)
+    ds.stage([0])  # the prolog: every shard staged (this process; no stager forked yet)
+    reader = ds.reader
+    shard = 1
+    first = int(reader.offsets[shard])
+    ids = list(range(first, int(reader.offsets[shard + 1])))
+    assert [bytes(s["jpg"]) for s in reader.read_ids(ids)] == [
+        reference[k] for k in keys_of(shared, ids)]
+    assert reader._readers[shard][0].kind == "cache"  # held open, as after an epoch
+    copy = ds.cache.path(shard)
+    index = load_index("tar", copy)
+    jpg = [r for r in range(len(index.f_name)) if index.field_names[index.f_name[r]] == "jpg"][0]
+    flip_bits(copy, offset=int(index.f_offset[jpg]) + 100)  # bit rot on the node's disk
+    counters = ds.stage([1])  # re-hashes what epoch 1 reuses: drops the copy, stages it again
+    assert counters["reverify_failures"] == 1
+    got = {s["__key__"]: bytes(s["jpg"]) for s in reader.read_ids(ids)}
+    assert got == {k: reference[k] for k in got} and len(got) == len(ids)
+    assert reader._readers[shard][0].kind == "cache"  # the new copy
+    if ds._stager is not None:
+        ds._stager.stop()
+
+
+def keys_of(root: Path, ids: list[int]) -> list[str]:
+    everything = keys(shardio.ShardDataset(root, shuffle=False))
+    return [everything[i] for i in ids]
+
+
+def test_a_reader_that_stops_takes_its_report_back(shared: Path, tmp_path: Path) -> None:
+    """A process that peeked at one sample (then trained with DataLoader workers) left its
+    report at epoch 0, position 0 for good: the stager's frontier stayed there, so it never
+    planned (nor re-hashed copies for) a later epoch."""
+    (tmp_path / "nvme").mkdir()
+    ds = shardio.ShardDataset(shared, seed=3, batch_size=4, cache_dir=str(tmp_path / "nvme"),
+                              cache_reserve=0)
+    it = iter(ds)
+    next(it)
+    assert ds.cache.frontier() == (0, 0)
+    del it  # the generator closes: its report goes
+    assert ds.cache.frontier() is None
+    assert not any(Path(ds.cache.progress_dir).iterdir())
+    assert len(keys(ds)) == Manifest.load(shared).num_samples  # a later epoch reports again
+    assert ds.cache.frontier() is None  # and takes it back at its end
+    ds._stager.stop()
+
+
+def test_a_cache_disk_full_at_the_start_reads_directly(shared: Path, small_tmpfs: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A node-local disk already full when the job starts (an earlier job's leftovers) made
+    ShardDataset(...) raise StagingError; a full disk means reading without staging."""
+    with open(small_tmpfs / "leftover", "wb") as f:
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    with caplog.at_level("WARNING", logger="shardio.dataset"):
+        ds = shardio.ShardDataset(shared, cache_dir=str(small_tmpfs), cache_reserve=0)
+    assert ds.cache is None and "reading without staging" in caplog.text
+    assert len(keys(ds)) == Manifest.load(shared).num_samples
+    with pytest.raises(shardio.errors.StagingError):  # a wrong directory is still an error
+        shardio.ShardDataset(shared, cache_dir=str(small_tmpfs / "missing"), cache_reserve=0)
+
+
+def test_zero_sizes_as_strings_mean_none() -> None:
+    """cache_reserve="0" / cache_budget="0" were refused ("size must be positive") although
+    StageOptions and `shardio stage --reserve 0` take them."""
+    o = shardio.ReadOptions(cache_reserve="0", cache_budget="0")
+    assert (o.cache_reserve, o.cache_budget) == (0, 0)

@@ -461,6 +461,10 @@ class ShardReader:
     def __len__(self) -> int:
         return len(self.index)
 
+    def open_fd(self) -> int | None:
+        """This process's descriptor of the shard when it has opened it, else None."""
+        return self._hfd if self._hpid == _PID[0] else None
+
     def _fd(self) -> int:
         if self._hfd is None or self._hpid != _PID[0]:
             try:
@@ -493,8 +497,9 @@ class ShardReader:
         n = end - start
         if n <= 0:
             return b""
+        fd = self._fd()  # (its own typed error: a shard gone is missing, not an I/O error)
         try:
-            data = pread_full(self._fd(), n, start)
+            data = pread_full(fd, n, start)
         except OSError as exc:
             raise translate_oserror(exc, self.path, f"reading offset {start} of") from exc
         self._after_read(start, n, len(data))

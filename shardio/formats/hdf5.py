@@ -43,7 +43,6 @@ from ..checksum import file_digest, new_digest, sample_checksum_fn
 from ..codec import Codec
 from ..errors import (
     IndexCorruptError,
-    ManifestVersionError,
     MissingDependencyError,
     ShardioError,
     ShardNotFoundError,
@@ -287,8 +286,7 @@ def load_hdf5_index(path: str) -> ShardIndex:
     Raises:
         ShardNotFoundError: no such file.
         IndexCorruptError: not a shardio HDF5 shard, or its index is damaged (unreadable, failing
-            ``index_digest``, or inconsistent).
-        ManifestVersionError: written by a newer shardio.
+            ``index_digest``, or inconsistent), or it claims a layout newer than this shardio.
     """
     h5py = _h5py()
     if not os.path.exists(path):
@@ -299,10 +297,14 @@ def load_hdf5_index(path: str) -> ShardIndex:
                 raise IndexCorruptError(f"{path} is not a shardio HDF5 shard (no format attribute)")
             version = int(f.attrs.get("shardio_version", 0))
             if version > FORMAT_VERSION:
-                raise ManifestVersionError(
-                    f"{path} has HDF5 shard version {version}, newer than this shardio reads "
-                    f"({FORMAT_VERSION}); upgrade shardio: pip install -U shardio"
-                )
+                # The dataset's manifest (checked against its own digest, and not newer than
+                # this shardio) says which shardio wrote its shards: a shard claiming a newer
+                # layout is damaged (a flipped bit in the attribute), a fault the reader meets
+                # by reading another copy, not a reason to stop.
+                raise IndexCorruptError(
+                    f"{path} says HDF5 shard version {version}, newer than this shardio reads "
+                    f"({FORMAT_VERSION}): the attribute is damaged (restore the shard from a "
+                    "good copy), or a newer shardio wrote it (upgrade shardio)")
             payload = f["payload"]
             base = payload.id.get_offset()
             payload_len = int(payload.size)
