@@ -7,12 +7,15 @@ Exit codes: 0 success; 1 a problem was found (verify findings, bad input data, I
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .parts import PartResult
@@ -418,6 +421,37 @@ _COMMANDS = {"pack": _cmd_pack, "merge": _cmd_merge, "verify": _cmd_verify, "ins
              "index": _cmd_index, "repair": _cmd_repair, "stage": _cmd_stage, "bench": _cmd_bench}
 
 
+@contextlib.contextmanager
+def _sticky_interrupt() -> Iterator[list[bool]]:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is also remembered: one that lands in a
+    weakref callback or a ``__del__`` is printed as "Exception ignored" and swallowed by
+    Python, and a pack then went on to exit 0 as if never interrupted.  The command still
+    ends as interrupted (exit 130).  Only where SIGINT has Python's default handler."""
+    hit: list[bool] = []
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield hit
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        hit.append(True)
+        raise KeyboardInterrupt
+
+    hook = sys.unraisablehook
+
+    def quiet(unraisable: Any) -> None:  # (the swallowed one is not an error to print)
+        if not (hit and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+            hook(unraisable)
+
+    signal.signal(signal.SIGINT, handler)
+    sys.unraisablehook = quiet
+    try:
+        yield hit
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.unraisablehook = hook
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (tests call ``main([...])``)."""
     from .errors import ShardioError, UsageError
@@ -425,7 +459,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser(with_bench="bench" in argv).parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
+        with _sticky_interrupt() as interrupted:
+            rc = _COMMANDS[args.command](args)
+        if interrupted and rc != 130:  # (a command that reports its own interruption: 130)
+            raise KeyboardInterrupt
+        return rc
     except UsageError as exc:
         print(f"shardio {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -79,6 +79,30 @@ def _parse_part(spec: object) -> tuple[int, int] | str:
     )
 
 
+# Limits Lustre puts on a layout (lustre_user.h): checked wherever a layout is asked for
+# (PackOptions here, shardio.lustre.LayoutRequest), before any work.
+LOV_MIN_STRIPE_SIZE = 64 << 10
+LOV_MAX_STRIPE_COUNT = 2000
+LOV_MAXPOOLNAME = 15
+
+
+def check_layout_args(stripe_size: int, stripe_count: int, pool: str | None) -> None:
+    """Refuse a layout Lustre would refuse (lustre_user.h's limits), with the option to fix."""
+    if (not isinstance(stripe_size, int) or stripe_size <= 0 or stripe_size >= 1 << 32
+            or stripe_size % LOV_MIN_STRIPE_SIZE):
+        raise UsageError(f"stripe size {stripe_size!r} must be a positive multiple of 64 KiB "
+                         "below 4 GiB; pass e.g. --stripe-size 4MiB")
+    if not isinstance(stripe_count, int) or not (
+            stripe_count == -1 or 1 <= stripe_count <= LOV_MAX_STRIPE_COUNT):
+        raise UsageError(f"stripe count {stripe_count!r} must be 1..{LOV_MAX_STRIPE_COUNT}, or "
+                         "-1 for all OSTs; pass e.g. --stripe-count 4")
+    if pool is not None and not (isinstance(pool, str) and 1 <= len(pool) <= LOV_MAXPOOLNAME
+                                 and pool.isascii() and pool.isprintable() and " " not in pool):
+        raise UsageError(f"OST pool name {pool!r} must be 1-{LOV_MAXPOOLNAME} printable ASCII "
+                         "characters without spaces; pass --stripe-pool NAME (see "
+                         "`lfs pool_list FSNAME`) or leave it out")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PackOptions:
     """How ``shardio pack`` shards a source.
@@ -148,10 +172,10 @@ class PackOptions:
         if self.part is not None:
             object.__setattr__(self, "part", _parse_part(self.part))
         object.__setattr__(self, "stripe_size", parse_size(self.stripe_size))
-        if self.stripe_size % (64 << 10):
-            raise UsageError(f"stripe_size must be a multiple of 64KiB, got {self.stripe_size}")
-        if self.stripe_count == 0 or self.stripe_count < -1:
-            raise UsageError(f"stripe_count must be >= 1 or -1 (all OSTs), got {self.stripe_count}")
+        # Every value Lustre would refuse, refused here, before any work (a stripe count above
+        # 2000, a stripe size of 4 GiB or more, a pool name too long were taken off Lustre,
+        # and refused on Lustre only after the scan).
+        check_layout_args(self.stripe_size, self.stripe_count, self.stripe_pool)
         if self.parity is not None:
             parse_parity(self.parity)
         if self.shard_size is not None:

@@ -67,6 +67,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ._fsutil import translate_oserror
+from .config import LOV_MAX_STRIPE_COUNT, LOV_MAXPOOLNAME, LOV_MIN_STRIPE_SIZE  # noqa: F401
+from .config import check_layout_args as _check_layout_args
 from .errors import LayoutError, LayoutNotAppliedError, UsageError
 
 __all__ = [
@@ -83,9 +85,6 @@ LOV_MAGIC_COMP_V1, LOV_MAGIC_FOREIGN = 0x0BD60BD0, 0x0BD70BD0
 LOV_PATTERN_RAID0, LOV_PATTERN_MDT = 0x001, 0x100
 LOV_PATTERN_F_MASK, LOV_PATTERN_F_RELEASED = 0xFFFF0000, 0x80000000
 LCME_FL_INIT = 0x10
-LOV_MIN_STRIPE_SIZE = 64 * KiB
-LOV_MAX_STRIPE_COUNT = 2000
-LOV_MAXPOOLNAME = 15
 O_LOV_DELAY_CREATE = os.O_NOCTTY | getattr(os, "O_ASYNC", 0o20000)  # FASYNC on x86-64/aarch64
 _ALL = 0xFFFF  # u16 -1: "all OSTs" as a count, "any OST" as an offset
 
@@ -563,22 +562,6 @@ def parse_getstripe(text: str) -> Layout | None:
 # --- building and setting ----------------------------------------------------------------------
 
 
-def _check_layout_args(stripe_size: int, stripe_count: int, pool: str | None) -> None:
-    if (not isinstance(stripe_size, int) or stripe_size <= 0 or stripe_size >= 1 << 32
-            or stripe_size % LOV_MIN_STRIPE_SIZE):
-        raise UsageError(f"stripe size {stripe_size!r} must be a positive multiple of 64 KiB "
-                         "below 4 GiB; pass e.g. --stripe-size 4MiB")
-    if not isinstance(stripe_count, int) or not (
-            stripe_count == -1 or 1 <= stripe_count <= LOV_MAX_STRIPE_COUNT):
-        raise UsageError(f"stripe count {stripe_count!r} must be 1..{LOV_MAX_STRIPE_COUNT}, or "
-                         "-1 for all OSTs; pass e.g. --stripe-count 4")
-    if pool is not None and not (isinstance(pool, str) and 1 <= len(pool) <= LOV_MAXPOOLNAME
-                                 and pool.isascii() and pool.isprintable() and " " not in pool):
-        raise UsageError(f"OST pool name {pool!r} must be 1-{LOV_MAXPOOLNAME} printable ASCII "
-                         "characters without spaces; pass --stripe-pool NAME (see "
-                         "`lfs pool_list FSNAME`) or leave it out")
-
-
 def build_lov(stripe_size: int, stripe_count: int, pool: str | None = None,
               stripe_offset: int = -1) -> bytes:
     """The ``lov_user_md`` blob a client sets: v1 without a pool, v3 with one (little-endian).
@@ -677,9 +660,11 @@ def _set_layout(fd: int, path: str, request: LayoutRequest, probe: FsProbe,
         probe.fsetxattr(fd, "lustre.lov",
                         build_lov(request.stripe_size, request.stripe_count, request.pool))
     except OSError as exc:
+        pool = ("check that the pool exists (`lfs pool_list`) and " if request.pool else
+                "check that ")
         raise LayoutError(
-            f"{path}: setting the layout ({want}) failed: {exc.strerror or exc}; check that the "
-            "pool exists (`lfs pool_list`) and the values suit this filesystem, or pass other "
+            f"{path}: setting the layout ({want}) failed: {exc.strerror or exc}; {pool}the "
+            "values suit this filesystem (`lfs df`), or pass other "
             "--stripe-count/--stripe-size/--stripe-pool values") from exc
     if not check:
         return None, f"layout set ({want}), not verified"
@@ -687,8 +672,12 @@ def _set_layout(fd: int, path: str, request: LayoutRequest, probe: FsProbe,
         back = probe.getxattr(path, "lustre.lov")
     except OSError as exc:
         raise LayoutError(f"{path}: reading the layout back failed: {exc.strerror or exc}; "
-                          "retry, or pass check=False to skip the verification") from exc
-    layout = parse_lov(back) if back else None
+                          "retry; if it keeps failing, check the Lustre client with "
+                          f"`lfs getstripe {path}`") from exc
+    try:
+        layout = parse_lov(back) if back else None
+    except LayoutError as exc:
+        raise LayoutError(f"{path}: the layout read back is malformed: {exc}") from exc
     if layout is None or _mismatch(request, layout):
         got = (_describe(layout.stripe_count, layout.stripe_size, layout.pool)
                if layout else "no readable layout")

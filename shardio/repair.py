@@ -53,6 +53,8 @@ from .errors import (
     ChecksumMismatchError,
     IndexCorruptError,
     ManifestCorruptError,
+    MissingDependencyError,
+    ParityError,
     ShardIOError,
     ShardioError,
     ShardNotFoundError,
@@ -80,6 +82,9 @@ COUNTERS = (
     # what was done about them
     "failovers", "cache_discarded", "originals_restored", "quarantined", "parity_rebuilt",
     "skipped_samples", "unrepairable",
+    # a parity rebuild that failed (damaged or missing parity, more of the group lost than
+    # parity covers, zfec not installed): a fault of the parity copy, not a read error
+    "parity_failed",
     # reads by source (metadata operations and bytes)
     "opens", "stats", "bytes_cache", "bytes_original", "bytes_replica", "bytes_parity",
 )
@@ -97,6 +102,8 @@ def fault_kind(exc: BaseException) -> str:
         return "missing"
     if isinstance(exc, (IndexCorruptError, ManifestCorruptError)):
         return "index_corrupt"
+    if isinstance(exc, (ParityError, MissingDependencyError)):
+        return "parity_failed"
     return "io_error"
 
 
@@ -217,7 +224,6 @@ class CopyLadder:
                       "reading the next copy", self.entry(i).path, kind)
             return
         self.counters.add(kind)
-        self.counters.add("failovers")
         if sample is None:
             self._bad.setdefault(i, set()).add(copy.path)
         else:
@@ -227,9 +233,13 @@ class CopyLadder:
         if copy.kind == "cache" and self.cache is not None:
             self.cache.discard(i, kind)
             self.counters.add("cache_discarded")
+        left = self.copies(i, sample)
+        if left:  # (a failover is a move to another copy: none when none is left)
+            self.counters.add("failovers")
         log.warning("shard %s: %s copy failed (%s: %s); %s", self.entry(i).path, copy.kind,
-                    kind, exc, "trying the next copy" if self.copies(i, sample)
-                    else "no other copy (add replicas=, or pack with --parity)")
+                    kind, exc, "trying the next copy" if left else (
+                        "no other copy left" if self.manifest.parity
+                        else "no other copy (add replicas=, or pack with --parity)"))
 
     def recovered(self, i: int, copy: Copy) -> None:
         """A read from ``copy`` succeeded after earlier copies failed: restore the original from
@@ -445,11 +455,14 @@ def _copy_index(src: str, dest: str, entry: ShardEntry) -> bool:
     return True
 
 
-def _copy_verified(src: str, dest: str, digest: str | None) -> None:
-    """Copy ``src`` to ``dest`` through a temp file; publish only if the copy has ``digest``."""
+def _copy_verified(src: str, dest: str, digest: str | None, layout: Any = None) -> None:
+    """Copy ``src`` to ``dest`` through a temp file; publish only if the copy has ``digest``.
+    With ``layout`` (a :class:`shardio.lustre.LayoutRequest`) the temp file is created with
+    that Lustre layout (else a plain copy gets its directory's default)."""
     tmp = tmp_name(dest)
     try:
-        shutil.copyfile(src, tmp)
+        if layout is None or not _copy_striped(src, tmp, layout):
+            shutil.copyfile(src, tmp)
         if digest is not None and file_digest(tmp)[0] != digest:
             raise ShardIOError(0, f"copy of {src} does not match its digest; not published")
         fd = os.open(tmp, os.O_RDONLY)
@@ -464,6 +477,44 @@ def _copy_verified(src: str, dest: str, digest: str | None) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def _copy_striped(src: str, tmp: str, layout: Any) -> bool:
+    """Copy ``src`` into the new file ``tmp`` created with the Lustre ``layout``; False (and
+    nothing at ``tmp``) when the layout cannot be set there."""
+    from . import lustre
+
+    try:
+        fd, _report = lustre.create_striped(tmp, layout)
+    except (ShardioError, OSError) as exc:  # LayoutError, LayoutNotAppliedError, ...
+        log.warning("cannot give %s the Lustre layout of the shard it replaces (%s); it gets "
+                    "its directory's default layout", tmp, exc)
+        return False
+    with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+        shutil.copyfileobj(inp, out, 16 << 20)
+    return True
+
+
+def _layout_to_keep(root: str, entry: ShardEntry, manifest: Manifest | None) -> Any:
+    """The Lustre layout a restored copy of ``entry`` should be created with: the damaged
+    original's, else a sibling shard's (a pack gives all its shards one layout); None off
+    Lustre, or when none is a plain layout to copy."""
+    from . import lustre
+
+    paths = [resolve_in(root, entry.path)]
+    if manifest is not None:
+        paths += [resolve_in(root, s.path) for s in manifest.shards[:8] if s.path != entry.path]
+    for path in paths:
+        try:
+            layout = lustre.get_layout(path)
+        except (ShardioError, OSError):
+            continue
+        if layout is None:
+            return None  # not Lustre
+        if not layout.composite and layout.stripe_size > 0 and layout.stripe_count >= 1:
+            return lustre.LayoutRequest(stripe_count=layout.stripe_count,
+                                        stripe_size=layout.stripe_size, pool=layout.pool)
+    return None
 
 
 def restore_original(root: str, entry: ShardEntry, good: str,
@@ -497,6 +548,7 @@ def restore_original(root: str, entry: ShardEntry, good: str,
             return True
         if not _matches(good, entry.digest, entry.bytes):
             return False
+        layout = _layout_to_keep(root, entry, manifest)  # (before the original moves away)
         if os.path.exists(original):
             qdir = os.path.join(root, QUARANTINE_DIR, os.path.dirname(entry.path))
             os.makedirs(qdir, exist_ok=True)
@@ -504,7 +556,7 @@ def restore_original(root: str, entry: ShardEntry, good: str,
             os.replace(original, os.path.join(qdir, f"{os.path.basename(entry.path)}.{stamp}"))
             if counters is not None:
                 counters.add("quarantined")
-        _copy_verified(good, original, entry.digest)
+        _copy_verified(good, original, entry.digest, layout)
         if restore_index(root, entry, original, sources, manifest) is None:
             # (the shard is mended, but not its index: not a repair to report as done)
             log.warning("shard %s restored from %s, but no good index for it could be made: "

@@ -573,21 +573,23 @@ class _Bench:
         return None, why
 
     def cache_dir(self, cache: str, share: int, deadline: float) -> None:
-        try:
-            st = os.statvfs(cache)
-            if st.f_blocks:
-                share = min(share, st.f_bavail * st.f_frsize // 2)
-            share = min(share, self.file_size) // (64 * KiB) * (64 * KiB)
-            io = max([s for s in self.io_sizes if s <= share] or [64 * KiB])
-            if share < io:
-                self.notes.append(f"--cache-dir {cache}: not enough free space to measure it")
+        tmp: str | None = None
+        try:  # (one try for the temp directory's whole life: a Ctrl-C held while it was made
+            #   is delivered as the hold ends, and must find its removal already armed)
+            try:
+                st = os.statvfs(cache)
+                if st.f_blocks:
+                    share = min(share, st.f_bavail * st.f_frsize // 2)
+                share = min(share, self.file_size) // (64 * KiB) * (64 * KiB)
+                io = max([s for s in self.io_sizes if s <= share] or [64 * KiB])
+                if share < io:
+                    self.notes.append(f"--cache-dir {cache}: not enough free space to measure it")
+                    return
+                with _signals_held():
+                    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=cache)
+            except OSError as exc:
+                self.notes.append(f"--cache-dir {cache}: cannot be used ({exc.strerror or exc})")
                 return
-            with _signals_held():
-                tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=cache)
-        except OSError as exc:
-            self.notes.append(f"--cache-dir {cache}: cannot be used ({exc.strerror or exc})")
-            return
-        try:
             self.say("cache_dir", f"{_size(share)} written and read in {cache}")
             path = os.path.join(tmp, "data")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -605,9 +607,10 @@ class _Bench:
             self.res["cache_dir"] = {"path": cache, "kind": fs.kind, "bytes": wrote,
                                      "read_mb_per_s": _mbps(got, secs)}
         finally:
-            left = _remove_tree(tmp)
-            if left:
-                self.notes.append(f"could not remove {tmp}: {left}")
+            if tmp is not None:
+                left = _remove_tree(tmp)
+                if left:
+                    self.notes.append(f"could not remove {tmp}: {left}")
 
 
 def _list_osts(probe: lustre.FsProbe, path: str) -> list[int] | None:

@@ -14,10 +14,12 @@ import importlib
 import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -381,3 +383,29 @@ def test_exceptions_live_in_errors_module() -> None:
                 problems.append(f"{mod}: exception class {name}")
     assert not problems, ("exception classes outside shardio/errors.py (move them there):\n"
                           + "\n".join(sorted(set(problems))))
+
+
+def test_a_ctrl_c_python_swallows_still_ends_the_command_as_interrupted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A Ctrl-C whose KeyboardInterrupt landed in a ``__del__`` or a weakref callback was
+    printed as "Exception ignored ... Traceback" and swallowed by Python: the pack of the CI
+    run it happened in went on and exited 0.  The CLI now remembers it: exit 130, no
+    traceback."""
+    from shardio import cli
+
+    class Dropped:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs here, inside __del__
+                pass
+
+    def command(args: Any) -> int:
+        Dropped()
+        return 0
+
+    monkeypatch.setitem(cli._COMMANDS, "inspect", command)
+    assert cli.main(["inspect", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

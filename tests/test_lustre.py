@@ -7,6 +7,7 @@ Set SHARDIO_LUSTRE_DIR to a writable directory on Lustre to also run against a r
 from __future__ import annotations
 
 import itertools
+import errno
 import os
 import struct
 import sys
@@ -393,6 +394,46 @@ def test_refused_layout_is_a_layout_error(lustre_dir: Path) -> None:
     with pytest.raises(LayoutError, match="pool_list") as info:
         create_striped(str(lustre_dir / "x"), LayoutRequest(pool="nosuch"), probe)
     assert not isinstance(info.value, LayoutNotAppliedError)
+    assert os.listdir(lustre_dir) == []
+
+
+class FailingProbe(FakeProbe):
+    """Setting the layout refused (EPERM), reading it back refused (EACCES), or a read-back
+    blob cut short, as ``mode`` says."""
+
+    mode = ""
+
+    def fsetxattr(self, fd: int, name: str, value: bytes) -> None:
+        if self.mode == "eperm":
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+        super().fsetxattr(fd, name, value)
+
+    def getxattr(self, path: str, name: str) -> bytes | None:
+        if name == "lustre.lov" and self.mode == "eacces":
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES), path)
+        if name == "lustre.lov" and self.mode == "short":
+            return b"\xd0\x0b\xd1\x0b" + bytes(10)
+        return super().getxattr(path, name)
+
+
+@pytest.mark.parametrize("mode,says,not_says", [
+    ("eperm", "Operation not permitted; check that the values suit", "pool exists"),
+    ("eacces", "lfs getstripe", "check=False"),  # (no such option in the CLI)
+    ("short", "the layout read back is malformed", None),
+])
+def test_layout_failures_name_the_file_and_a_fix_that_exists(
+        lustre_dir: Path, mode: str, says: str, not_says: str | None) -> None:
+    """Three messages that misled: a refused set without a pool said "check that the pool
+    exists", a refused read-back advised check=False (not a CLI option), and a malformed
+    read-back named no file."""
+    probe = lustre_probe(lustre_dir, FailingProbe)
+    probe.mode = mode
+    path = lustre_dir / "shard-000000.tar"
+    with pytest.raises(LayoutError) as info:
+        create_striped(str(path), LayoutRequest(stripe_count=2), probe)
+    text = str(info.value)
+    assert says in text and str(path) in text
+    assert not_says is None or not_says not in text
     assert os.listdir(lustre_dir) == []
 
 

@@ -16,6 +16,7 @@ from shardio import Manifest, PackOptions, pack
 from shardio.errors import LayoutNotAppliedError, UsageError
 from shardio.lustre import parse_lov
 from shardio.reader import DatasetReader
+from shardio.repair import repair_dataset
 from tests.fake_lfs import EXT4_MAGIC, LL_SUPER_MAGIC, LOV_MAGIC_V1, FakeProbe, pack_lmm
 
 
@@ -69,10 +70,18 @@ def test_pack_off_lustre_reports_the_layout_ignored(image_tree: Path, tmp_path: 
 
 
 def test_layout_options_are_validated() -> None:
-    with pytest.raises(UsageError, match="64KiB"):
+    """Every value Lustre would refuse is refused at once, on any filesystem (a stripe count
+    of 5000, a stripe size of 8 GiB, a pool name too long were taken off Lustre, and on
+    Lustre refused only after the source scan)."""
+    with pytest.raises(UsageError, match="64 KiB"):
         PackOptions(stripe_size="100KB")
-    with pytest.raises(UsageError, match="stripe_count"):
-        PackOptions(stripe_count=0)
+    for kwargs, match in (({"stripe_count": 0}, "stripe count"),
+                          ({"stripe_count": 5000}, "stripe count 5000 must be 1..2000"),
+                          ({"stripe_size": "8GiB"}, "below 4 GiB"),
+                          ({"stripe_pool": "a pool name too long"}, "OST pool name")):
+        with pytest.raises(UsageError, match=match):
+            PackOptions(**kwargs)
+    PackOptions(stripe_count=-1, stripe_size="1MiB", stripe_pool="flash")
 
 
 def test_reader_uses_stripe_multiples_and_spreads_over_osts(
@@ -117,3 +126,38 @@ def test_a_missing_shard_is_not_blamed_on_another_during_the_lustre_probe(
         assert c["io_error"] == c["missing"] == c["failovers"] == 0
         assert r[0] == DatasetReader(replica)[0]  # the real read handles the missing shard
         assert r.counters.get("missing") == 1
+
+
+def test_repair_keeps_the_layout_pack_gave_the_shard(image_tree: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shardio repair` republished a shard through a plain copy: on Lustre the repaired shard
+    silently lost the layout `pack --stripe-count` had given it (4 stripes became the
+    directory's 1).  It is now created with the layout of the shard it replaces."""
+    out = tmp_path / "lustre" / "ds"
+    out.mkdir(parents=True)
+    probe = fake_lustre(monkeypatch, tmp_path / "lustre")
+    for name in ("replace", "rename"):  # the fake keeps xattrs by path: move them as Lustre does
+        real = getattr(os, name)
+
+        def moved(src, dst, *a, _real=real, **kw):  # type: ignore[no-untyped-def]
+            _real(src, dst, *a, **kw)
+            held = probe.xattrs.pop(os.path.realpath(src), None)
+            probe.xattrs.pop(os.path.realpath(dst), None)
+            if held is not None:
+                probe.xattrs[os.path.realpath(dst)] = held
+
+        monkeypatch.setattr(os, name, moved)
+    pack(image_tree, out, PackOptions(samples_per_shard=20, stripe_count=4, stripe_size="1MiB",
+                                      fsync=False))
+    shard = str(out / "shard-000000.tar")
+    assert shardio.lustre.get_layout(shard).stripe_count == 4
+    replica = tmp_path / "replica"
+    shutil.copytree(out, replica)
+    with open(shard, "r+b") as f:
+        f.seek(700)
+        f.write(b"\xff")
+    report = repair_dataset(str(out), replicas=[str(replica)])
+    assert [p for p, _src in report.repaired] == ["shard-000000.tar"]
+    layout = shardio.lustre.get_layout(shard)
+    assert (layout.stripe_count, layout.stripe_size) == (4, 1 << 20)
+    assert shardio.verify_dataset(str(out)) == []

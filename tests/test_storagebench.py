@@ -160,6 +160,34 @@ def test_interrupted_run_removes_its_directory(tmp_path: Path, sig: int) -> None
     assert leftovers(tmp_path) == []
 
 
+def test_ctrl_c_while_the_cache_dir_temp_is_made_removes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that landed while the --cache-dir temp directory was made (held back, then
+    delivered as the hold ended) left that directory behind, and the bench said "temporary
+    files removed": its removal was armed only after."""
+    import tempfile
+
+    data, cache = tmp_path / "d", tmp_path / "cache"
+    data.mkdir()
+    cache.mkdir()
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*a: Any, **kw: Any) -> str:
+        made = real(*a, **kw)
+        if kw.get("dir") == str(cache):
+            os.kill(os.getpid(), signal.SIGINT)  # as if the user pressed Ctrl-C now
+        return made
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert cli(str(data), "--budget", "4MiB", "--time-limit", "5", "--io-sizes", "64KiB",
+                   "--threads", "1", "--no-direct", "--cache-dir", str(cache)) == 130
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert leftovers(cache) == [] and leftovers(data) == []
+
+
 def test_budget_over_free_space_names_budget(small_tmpfs: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(UsageError, match="--budget"):
