@@ -348,28 +348,39 @@ def _unlink_missing_ok(path: str) -> None:
 
 
 def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:
-    """Give a rebuilt tar shard its ``.idx``: a verified copy from any copy of the shard, else
-    one made by scanning the (verified) tar."""
+    """Give a rebuilt tar shard its ``.idx``: a good copy from any copy of the shard, else
+    one made by scanning the (verified) tar (see :func:`_make_index`)."""
     entry = ladder.entry(i)
     if entry.index is None:
         return
-    dest = shard_path + ".idx"
-    if os.path.exists(dest):
-        if index_file_ok(dest, entry):
-            return
-        # Damaged since it was made (the rebuilt shard itself checked out): without this, every
-        # reader failed on the index for good although the shard beside it was good.
-        log.warning("the index of rebuilt shard %s is damaged; making it again", shard_path)
-        _unlink_missing_ok(dest)
-    for base in (ladder.root, *ladder.replicas):
-        src = resolve_in(base, entry.index)
+    sources = [(resolve_in(base, entry.index), base) for base in (ladder.root, *ladder.replicas)]
+    _make_index(ladder.manifest, entry, shard_path + ".idx", shard_path, sources, scan=True)
+
+
+def _make_index(m: Manifest | None, entry: ShardEntry, dest: str, shard: str,
+                sources: Iterable[tuple[str, str]], *, scan: bool) -> str | None:
+    """Make ``dest`` an index file shard ``entry`` may use (:func:`index_file_ok`): keep it
+    when it is one; else copy the first of ``sources`` (``(index path, what it is)``) that is
+    one; else, with ``scan``, read one from the tar ``shard`` (a copy that matches the
+    manifest's digest).  Returns where the index came from ("" when it was kept), or None.
+
+    Raises:
+        OSError, ShardioError: reading the shard failed (``scan``).
+    """
+    if index_file_ok(dest, entry):
+        return ""
+    if os.path.exists(dest):  # (damaged since it was made: every reader failed on it for good)
+        log.warning("the index %s is damaged; making it again", dest)
+    for src, what in sources:
         try:
-            if not entry.index_digest or file_digest(src)[0] == entry.index_digest:
-                _copy_verified(src, dest, entry.index_digest or None)
-                return
-        except OSError:
-            continue
-    _scan_index(ladder.manifest, entry, shard_path, dest)
+            if _copy_index(src, dest, entry):
+                return what
+        except OSError as exc:
+            log.warning("cannot copy the index %s to %s: %s", src, dest, exc)
+    if not scan or m is None:
+        return None
+    _scan_index(m, entry, shard, dest)
+    return "an index read from the shard itself"
 
 
 def _scan_index(m: Manifest, entry: ShardEntry, shard_path: str, dest: str) -> None:
@@ -392,31 +403,20 @@ def _scan_index(m: Manifest, entry: ShardEntry, shard_path: str, dest: str) -> N
 
 def restore_index(root: str, entry: ShardEntry, shard: str, sources: Iterable[tuple[str, str]],
                   manifest: Manifest | None) -> str | None:
-    """Make the index file of ``entry`` in ``root`` one it may use (:func:`index_file_ok`),
-    the shard file being good: keep it when it is; else copy the first of ``sources``
-    (``(index path, what it is)``) that :func:`index_file_ok` accepts; else read one from
-    ``shard`` (a tar that matches the manifest's digest; needs ``manifest``).  Returns where
-    the index came from ("" when it was fine), or None when no good index could be made."""
+    """Make the index file of ``entry`` in ``root`` one it may use, the shard file being good
+    (:func:`_make_index`; the scan needs ``manifest``, a tar, and ``shard`` matching the
+    manifest's digest).  Returns where the index came from ("" when it was fine), or None
+    when no good index could be made."""
     if entry.index is None:
         return ""
-    dest = resolve_in(root, entry.index)
-    if index_file_ok(dest, entry):
-        return ""
-    for src, what in sources:
-        try:
-            if _copy_index(src, dest, entry):
-                return what
-        except OSError as exc:
-            log.warning("cannot copy the index %s to %s: %s", src, dest, exc)
-    if (manifest is None or manifest.shard_format != "tar"
-            or not _matches(shard, entry.digest, entry.bytes)):
-        return None
+    scan = (manifest is not None and manifest.shard_format == "tar"
+            and _matches(shard, entry.digest, entry.bytes))
     try:
-        _scan_index(manifest, entry, shard, dest)
+        return _make_index(manifest, entry, resolve_in(root, entry.index), shard, sources,
+                           scan=scan)
     except (OSError, ShardioError) as exc:
         log.warning("cannot read an index from %s: %s", shard, exc)
         return None
-    return "an index read from the shard itself"
 
 
 def rebuilt_index_matches(index: ShardIndex, entry: ShardEntry) -> bool:

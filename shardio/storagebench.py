@@ -19,11 +19,13 @@ says so with ``"stopped_early": true``)::
                   delayed create + lustre.lov), written and read; a failed pin ends with a note
     cache_dir     optional: a sequential read on the node-local cache, to decide staging
 
-Safety: everything lives in ``mkdtemp(prefix=".shardio-bench-", dir=PATH)`` (and one under
-``cache_dir``), removed in a ``finally`` with SIGINT/SIGTERM blocked while it goes; SIGTERM is
-turned into KeyboardInterrupt while the bench runs.  Bytes written never exceed the budget, which
-is capped at half the free space (statvfs) before anything is written.  ENOSPC/EDQUOT (a quota
-statvfs does not see, another writer) stops the run with ``"error": "disk full ..."``.
+Safety: everything lives in a fresh ``PATH/.shardio-bench-<random>`` directory (and one under
+``cache_dir``), named before it is made (:func:`_temp_name`) so that a Ctrl-C at any moment finds
+its removal armed, and removed in a ``finally`` with SIGINT/SIGTERM blocked while it goes;
+SIGTERM is turned into KeyboardInterrupt while the bench runs.  Bytes written never exceed the
+budget, which is capped at half the free space (statvfs) before anything is written.
+ENOSPC/EDQUOT (a quota statvfs does not see, another writer) stops the run with
+``"error": "disk full ..."``.
 
 The result is a JSON-ready dict (sections above plus ``fs``, ``config``, ``recommendations``,
 ``notes``, ``bytes_written``, ``elapsed_s``, ``error``); :func:`format_report` renders it as text.
@@ -38,10 +40,10 @@ import math
 import mmap
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from array import array
@@ -122,10 +124,19 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
 
 
+def _temp_name(parent: str) -> str:
+    """A fresh name for a temp directory under ``parent``; nothing is made.  The caller keeps
+    the name, then makes the directory (``os.mkdir(name, 0o700)``): a Ctrl-C that lands at any
+    moment finds the name kept, so its ``finally`` removes whatever was made.  (``mkdtemp``
+    returns the name only once the directory exists: an interrupt between the two, which a
+    signal mask cannot hold off when another thread takes the signal, left the directory.)"""
+    return os.path.join(parent, TEMP_PREFIX + secrets.token_hex(12))
+
+
 @contextmanager
 def _signals_held() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM back for a moment that must not be cut in two (creating the temp
-    directory and remembering its name; removing it); a held signal is delivered after."""
+    """Hold SIGINT/SIGTERM back in this thread while a temp directory is removed; a held
+    signal is delivered after."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
@@ -335,8 +346,8 @@ class _Bench:
         phases += ["lustre_osts"] * bool(lustre_share) + ["cache_dir"] * bool(cache_dir)
         clock = _Clock(time_limit, phases)
         try:
-            with _signals_held():
-                self.tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=self.path)
+            self.tmp = _temp_name(self.path)
+            os.mkdir(self.tmp, 0o700)
             self.seq_write(clock.deadline("seq_write"))
             self.seq_read(clock.deadline("seq_read"))
             self.random_read(clock.deadline("random_read"))
@@ -574,8 +585,7 @@ class _Bench:
 
     def cache_dir(self, cache: str, share: int, deadline: float) -> None:
         tmp: str | None = None
-        try:  # (one try for the temp directory's whole life: a Ctrl-C held while it was made
-            #   is delivered as the hold ends, and must find its removal already armed)
+        try:  # (one try for the temp directory's whole life: see _temp_name)
             try:
                 st = os.statvfs(cache)
                 if st.f_blocks:
@@ -585,8 +595,8 @@ class _Bench:
                 if share < io:
                     self.notes.append(f"--cache-dir {cache}: not enough free space to measure it")
                     return
-                with _signals_held():
-                    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=cache)
+                tmp = _temp_name(cache)
+                os.mkdir(tmp, 0o700)
             except OSError as exc:
                 self.notes.append(f"--cache-dir {cache}: cannot be used ({exc.strerror or exc})")
                 return
