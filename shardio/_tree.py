@@ -495,6 +495,9 @@ def _number_dtype(items: Sequence[Any]) -> np.dtype | None:
     if isinstance(items[0], float):
         ok = all(isinstance(x, _NUMBER) for x in items)
         return np.dtype(np.float64) if ok else None
+    kinds = set(map(type, items))  # (the usual column, labels, is one type: no Python loop)
+    if len(kinds) == 1 and (int in kinds or bool in kinds):
+        return _INT64 if int in kinds else _BOOL
     dtypes: set[np.dtype] = set()
     for x in items:
         t = type(x)
