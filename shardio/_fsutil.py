@@ -37,6 +37,9 @@ def parse_size(text: str | int | float) -> int:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?)?B?\s*", text.upper())
         if not m:
             raise UsageError(f"invalid size {text!r}; write it like 256MB, 1GiB or 1048576")
+        if m.group(2) is None and "." in m.group(1):  # ("1.5" was 1 byte: no unit, bytes)
+            raise UsageError(f"invalid size {text!r}: a number of bytes is whole; give a unit "
+                             "(1.5MB) or write the bytes (1500000)")
         value = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
     if value <= 0:
         raise UsageError(f"size must be positive, got {text!r}")

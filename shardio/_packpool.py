@@ -148,7 +148,7 @@ class _Worker:
 
         while not self.eof:
             if block:
-                select.select([self.fd], [], [])
+                _wait_readable([self.fd])
             try:
                 chunk = os.read(self.fd, 1 << 16)
             except BlockingIOError:
@@ -174,6 +174,15 @@ class _Worker:
             os.close(self.fd)
             self.status = os.waitpid(self.pid, 0)[1]
         return self.status
+
+
+def _wait_readable(fds: list[int]) -> None:
+    """Wait until one of ``fds`` can be read (poll, not select: a pack with hundreds of workers
+    has descriptors past select's limit of 1024)."""
+    p = select.poll()
+    for fd in fds:
+        p.register(fd, select.POLLIN)
+    p.poll()
 
 
 def run_forked(tasks: Iterable[Task], procs: int, write: Write,
@@ -203,7 +212,7 @@ def run_forked(tasks: Iterable[Task], procs: int, write: Write,
         nonlocal error
         live = [wk for wk in workers if not wk.eof]
         if block and live:
-            select.select([wk.fd for wk in live], [], [])
+            _wait_readable([wk.fd for wk in live])
         for wk in live:
             for msg in wk.poll(False):
                 wk.busy = False

@@ -728,7 +728,9 @@ def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> l
     src_real = os.path.realpath(src)
     listed: list[tuple[str, str]] = []  # (path, rel)
     for raw in lines:
-        if not raw.strip() or raw.startswith(b"#"):
+        # Every other line is a path, as tar -T reads them: no comments, so that a file named
+        # "#1.jpg" (in find's output, say) is not silently left out.
+        if not raw.strip():
             continue
         name = os.fsdecode(raw.rstrip(b"\r"))
         path = name if os.path.isabs(name) else os.path.join(src, name)

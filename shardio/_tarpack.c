@@ -55,6 +55,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -398,7 +399,9 @@ read_member(Member *m, char *dst, char *spare, int *dfd, char *cur_dir, Py_ssize
             name = m->cpath + m->dir_len + 1;
         }
     }
-    int fd = openat(at, name, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: a file the scan saw as regular may since have been replaced by a FIFO,
+     * whose open would wait for a writer for ever (no effect on a regular file). */
+    int fd = openat(at, name, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         return -1;
     }
@@ -429,6 +432,13 @@ read_member(Member *m, char *dst, char *spare, int *dfd, char *cur_dir, Py_ssize
         total += got;
         if (got < BIG_READ || total > m->size) {
             break;
+        }
+    }
+    if (total >= 0 && total < m->size) { /* shrunk, or no longer a regular file (a FIFO
+                                            * without a writer reads as empty): Python tells */
+        struct stat st;
+        if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+            total = -1;
         }
     }
     close(fd);

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._atomics import buffer_offset
+from .errors import UsageError
 
 try:
     from ._sampleio import field_rows
@@ -153,6 +154,8 @@ def _tensor_array(t: Any) -> tuple[np.ndarray, bool | str] | None:
     """A tensor's data as a numpy array, and ``_Arr.tensor`` for it: True, or the name of its
     dtype when numpy has none (the array then holds its bytes as integers of the same width;
     the reader views them as that dtype again).  None for a tensor that goes in-band."""
+    if t.is_meta:  # (no data: .cpu() would raise)
+        return None
     t = t.detach().cpu()
     try:
         return t.numpy(), True  # the usual case, ~1 us: no more checks
@@ -523,7 +526,17 @@ def plan_tree(tree: Any, area: Area | None = None,
     """Plan a message for a tree built by the user's collate function (arrays lying in
     ``area`` are referenced where they are; ``is_field`` as for :func:`plan_collate`)."""
     acc = _Acc(area, is_field)
-    return acc.plan(_leaf(tree, acc))
+    try:
+        return acc.plan(_leaf(tree, acc))
+    except RecursionError as exc:
+        raise _not_a_tree() from exc
+
+
+def _not_a_tree() -> UsageError:
+    return UsageError(
+        "the batch refers to itself (a dict or list inside itself) or is nested deeper than "
+        "Python's recursion limit: ShardLoader writes a batch as a tree of containers; return "
+        "one from collate_fn (DataLoader pickles such a batch; ShardLoader does not)")
 
 
 def _is_field(x: Any, acc: _Acc) -> bool:
@@ -672,7 +685,10 @@ def plan_collate(samples: Sequence[Any], area: Area | None = None,
     ``bytes`` does; those lying in ``area`` are referenced where they are, not copied.
     """
     acc = _Acc(area, is_field)
-    return acc.plan(_col(list(samples), acc))
+    try:
+        return acc.plan(_col(list(samples), acc))
+    except RecursionError as exc:
+        raise _not_a_tree() from exc
 
 
 def write_times(buf: Any, times: Sequence[float]) -> None:

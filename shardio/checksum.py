@@ -29,6 +29,8 @@ __all__ = [
 
 DEFAULT_SAMPLE = "xxh3_64"
 DEFAULT_DIGEST = "xxh3_128"
+SAMPLE_ALGORITHMS = ("xxh3_64", "crc32", "crc32c")  # what _sample_registry knows
+DIGEST_ALGORITHMS = ("xxh3_128", "xxh3_64")  # what new_digest knows
 
 
 def _crc32c() -> Callable[[bytes], int]:

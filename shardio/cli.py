@@ -43,7 +43,9 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     pk = sub.add_parser("pack", help="pack a tree of small files into checksummed shards")
     pk.add_argument("src", help="source directory (keys are paths relative to it)")
     pk.add_argument("out", help="output dataset directory")
-    pk.add_argument("--files-from", metavar="LIST", help="pack only the paths listed (one per line)")
+    pk.add_argument("--files-from", metavar="LIST",
+                    help="pack only the paths listed, one per line, as they are (no comments; "
+                         "blank lines are ignored)")
     pk.add_argument("--format", default="tar", choices=["tar", "hdf5"])
     pk.add_argument("--shard-size", default=None, help="max shard size, e.g. 256MB (default 256MB)")
     pk.add_argument("--samples-per-shard", type=int, default=None)
@@ -59,7 +61,9 @@ def _parser(with_bench: bool = True) -> argparse.ArgumentParser:
     pk.add_argument("--checksum", default="xxh3_64", help="xxh3_64 (default) | crc32 | crc32c")
     pk.add_argument("--on-error", default="raise", choices=["raise", "skip"])
     pk.add_argument("--overwrite", action="store_true", help="replace shardio files in OUT")
-    pk.add_argument("--resume", action="store_true", help="require resuming an unfinished run")
+    pk.add_argument("--resume", action="store_true",
+                    help="require OUT to hold a run of this same pack, and finish it (a "
+                         "finished one is left as it is)")
     pk.add_argument("--no-fsync", action="store_true", help="skip fsync (throwaway output only)")
     pk.add_argument("--prefix", default="shard", help="shard file name prefix")
     pk.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

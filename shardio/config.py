@@ -180,11 +180,12 @@ class PackOptions:
             parse_parity(self.parity)
         if self.shard_size is not None:
             object.__setattr__(self, "shard_size", parse_size(self.shard_size))
-        if self.samples_per_shard is not None and self.samples_per_shard < 1:
-            raise UsageError(f"samples_per_shard must be >= 1, got {self.samples_per_shard}")
+        n = self.samples_per_shard
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise UsageError(f"samples_per_shard must be an integer >= 1, got {n!r}")
         if self.shard_size is None and self.samples_per_shard is None:
             raise UsageError("give --shard-size and/or --samples-per-shard")
-        if not isinstance(self.workers, int) or self.workers < 1:
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
             raise UsageError(f"workers must be an integer >= 1, got {self.workers!r}")
         if self.scan_threads is not None and (not isinstance(self.scan_threads, int)
                                               or self.scan_threads < 1):
@@ -364,6 +365,9 @@ IMAGE_MODES = frozenset({"1", "L", "P", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "
                          "HSV", "I", "F", "LA", "La", "PA", "I;16", "I;16L", "I;16B", "I;16N"})
 
 
+MIN_RING_BYTES = 128  # the smallest ring (shardio.ring takes it from here)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoaderOptions:
     """Worker-pool and shared-memory settings of :class:`~shardio.ShardLoader`.
@@ -419,7 +423,14 @@ class LoaderOptions:
 
     def __post_init__(self) -> None:
         if self.ring_bytes != "auto":
-            object.__setattr__(self, "ring_bytes", parse_size(self.ring_bytes))
+            try:
+                size = parse_size(self.ring_bytes)
+            except UsageError as exc:
+                raise UsageError(f"ring_bytes: {exc} (or 'auto': sized for the batches)") from None
+            if size < MIN_RING_BYTES:
+                raise UsageError(f"ring_bytes must be at least {MIN_RING_BYTES} bytes, or 'auto' "
+                                 f"(sized for the batches), got {self.ring_bytes!r}")
+            object.__setattr__(self, "ring_bytes", size)
         if self.cpus == "auto":
             pass
         elif isinstance(self.cpus, str):

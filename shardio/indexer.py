@@ -15,7 +15,7 @@ from typing import Any
 from . import __version__
 from ._fsutil import atomic_write_bytes
 from .checksum import DEFAULT_DIGEST, DEFAULT_SAMPLE, digest_bytes, file_digest
-from .errors import OutputNotEmptyError, UsageError
+from .errors import OutputNotEmptyError, ShardioError, UsageError
 from .formats.tar import index_tar
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 
@@ -34,6 +34,36 @@ def _index_one(path: str, rel: str, checksum: str) -> tuple[ShardEntry, dict[str
         raw_bytes=index.raw_bytes,
     )
     return entry, counts
+
+
+def _refuse_a_dataset_above(paths: list[str], checked: set[str]) -> None:
+    """Refuse tars that a dataset in a directory above them lists (one not in ``checked``,
+    whose manifest refuses any tar): their ``.idx`` files are that dataset's, and indexing
+    anew would replace them (with another checksum, say), which breaks it."""
+    above: set[str] = set()
+    for p in paths:
+        d = os.path.dirname(p)
+        while d not in above:
+            above.add(d)
+            up = os.path.dirname(d)
+            if up == d:
+                break
+            d = up
+    for d in sorted(above - checked):
+        found = os.path.join(d, MANIFEST_NAME)
+        if not os.path.isfile(found):
+            continue
+        try:
+            listed = {os.path.normpath(os.path.join(d, s.path)) for s in Manifest.load(d).shards}
+        except ShardioError:  # not shardio's, or damaged: no claim on these tars
+            continue
+        for p in paths:
+            if os.path.normpath(p) in listed:
+                raise OutputNotEmptyError(
+                    f"{p} is a shard of the dataset {d} (its manifest {found} lists it), whose "
+                    "index indexing would replace; to check or repair that dataset use "
+                    "`shardio verify` or `shardio repair`, to index the tar anew anyway pass "
+                    "--overwrite")
 
 
 def index_tars(
@@ -63,23 +93,31 @@ def index_tars(
     paths = [os.path.abspath(os.fspath(t)) for t in tars]
     if not paths:
         raise UsageError("give at least one tar file to index")
-    if len(set(paths)) != len(paths):
-        raise UsageError("a tar is listed twice; list each shard once")
+    real = [os.path.realpath(p) for p in paths]  # (a symlink to a tar given is that tar)
+    if len(set(real)) != len(real):
+        raise UsageError("a tar is listed twice (perhaps once through a symlink); list each "
+                         "shard once")
     for p in paths:
         if not os.path.isfile(p):
             raise UsageError(f"{p} is not a file")
+    for p in paths:
+        if os.path.realpath(p + ".idx") in real:
+            raise UsageError(f"{p}.idx is one of the tars given, and {p}'s index would be "
+                             f"written over it; rename that tar (shardio writes each tar's "
+                             "index beside it as TAR.idx)")
     base = os.path.abspath(os.fspath(root)) if root is not None else os.path.commonpath(
         [os.path.dirname(p) for p in paths])
     rels = []
     for p in paths:
         rel = os.path.relpath(p, base)
-        if rel.startswith(".."):
+        if rel == os.pardir or rel.startswith(os.pardir + os.sep):
             raise UsageError(
                 f"{p} lies outside the dataset directory {base}; manifests only list files "
                 "below their directory: pass --root with a directory containing every tar"
             )
         rels.append(rel.replace(os.sep, "/"))
-    for d in sorted({base, *(os.path.dirname(p) for p in paths)}):
+    checked = {base, *(os.path.dirname(p) for p in paths)}
+    for d in sorted(checked):
         existing = os.path.join(d, MANIFEST_NAME)
         if os.path.exists(existing) and not overwrite:
             # Indexing a shard of a packed dataset would replace its manifest (labels, parity,
@@ -88,6 +126,8 @@ def index_tars(
                 f"{existing} exists: {d} is already a dataset, whose manifest and indexes "
                 "indexing would replace; to check or repair it use `shardio verify` or "
                 "`shardio repair`, to index these tars anew anyway pass --overwrite")
+    if not overwrite:
+        _refuse_a_dataset_above(paths, checked)
     jobs = [(p, r, checksum) for p, r in zip(paths, rels)]
     if workers <= 1 or len(jobs) <= 1:
         results = [_index_one(*j) for j in jobs]

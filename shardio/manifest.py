@@ -27,11 +27,18 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ._fsutil import atomic_write_bytes, check_relpath, read_regular, translate_oserror
-from .checksum import DEFAULT_DIGEST, DEFAULT_SAMPLE, digest_bytes
+from .checksum import (
+    DEFAULT_DIGEST,
+    DEFAULT_SAMPLE,
+    DIGEST_ALGORITHMS,
+    SAMPLE_ALGORITHMS,
+    digest_bytes,
+)
 from .errors import (
     ManifestCorruptError,
     ManifestNotFoundError,
@@ -210,7 +217,8 @@ class Manifest:
             raise translate_oserror(exc, path, "reading the manifest") from exc
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # (nested past the parser's recursion limit, or an integer of over 4,300 digits)
+        except (ValueError, RecursionError) as exc:
             raise ManifestCorruptError(
                 f"{path} is not valid JSON ({exc}); it is damaged: restore it or repack"
             ) from exc
@@ -251,8 +259,14 @@ def _check_types(data: dict[str, Any], where: str) -> None:
     :class:`ManifestCorruptError` naming the field, not a TypeError wherever it is used."""
     _expect(where, "shard_format", data["shard_format"], (str,))
     _expect(where, "checksum", data["checksum"], (dict,))
-    for name in ("sample", "shard"):
-        _expect(where, f"checksum.{name}", data["checksum"][name], (str,))
+    for name, known in (("sample", SAMPLE_ALGORITHMS), ("shard", DIGEST_ALGORITHMS)):
+        algorithm = data["checksum"][name]
+        _expect(where, f"checksum.{name}", algorithm, (str,))
+        if algorithm not in known:
+            raise ManifestCorruptError(
+                f"{where}: checksum.{name} is {algorithm!r}, which this shardio does not know "
+                f"({', '.join(known)}): a damaged manifest (restore it or repack), or one a "
+                "newer shardio wrote (upgrade shardio)")
     _expect(where, "fields", data["fields"], (dict,))
     for name, count in data["fields"].items():
         _expect(where, f"fields.{name}", count, (int,))
@@ -294,7 +308,7 @@ def _check_totals(data: dict[str, Any], where: str) -> None:
     """A manifest whose shard list cannot be right (edited, its digest recomputed): every shard
     once, no negative count.  (``num_samples`` not their sum is a problem ``verify`` reports.)"""
     shards = data["shards"]
-    paths = [s["path"] for s in shards]
+    paths = [posixpath.normpath(s["path"]) for s in shards]  # ("./a.tar" is "a.tar")
     if len(set(paths)) != len(paths):
         twice = sorted({p for p in paths if paths.count(p) > 1})
         raise ManifestCorruptError(f"{where} lists shard {twice[0]} more than once; restore it "

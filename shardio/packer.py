@@ -51,6 +51,7 @@ import gc
 import errno
 import os
 import queue
+import stat
 import sys
 import threading
 import time
@@ -112,7 +113,9 @@ if TYPE_CHECKING:
 
 __all__ = ["pack", "plan_shards"]
 
-_O_READ = os.O_RDONLY | os.O_CLOEXEC
+# O_NONBLOCK: a source file the scan saw as regular may since have been replaced by a FIFO,
+# whose open would otherwise wait for a writer for ever.  (No effect on a regular file.)
+_O_READ = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
 # A shard whose reads the scan left to decide (Task.read_threads 0) times its first
 # _READ_PROBE samples, and reads the rest in threads when they took more than _SLOW_FILE a file
 # beyond what _READ_BANDWIDTH would explain.  A local read of a cached 20 KB file takes ~5 us;
@@ -155,6 +158,17 @@ class _ReadProbe:
 _PROBE = _ReadProbe()
 
 
+def _read_fix(err: int | None) -> str:
+    """What to do about a source file that could not be read with error ``err``."""
+    skip = "pass --on-error skip to leave it out"
+    if err in (errno.EACCES, errno.EPERM):
+        return f"fix its permissions or {skip}"
+    if err in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EINVAL):
+        return (f"it changed since the scan (removed or replaced): rerun the pack with "
+                f"--resume when the source is settled (finished shards are kept), or {skip}")
+    return f"check the file and the storage it is on, or {skip}"
+
+
 def _read_file(path: str, size: int = 0) -> bytes:
     try:
         fd = os.open(path, _O_READ)
@@ -170,13 +184,14 @@ def _read_file(path: str, size: int = 0) -> bytes:
                     rest.append(chunk)
                     got += len(chunk)
                 data = b"".join(rest)
+            elif len(data) < size and not stat.S_ISREG(os.fstat(fd).st_mode):
+                # (a FIFO read without a writer ends at once: not a sample of 0 bytes)
+                raise OSError(errno.EINVAL, "not a regular file any more")
         finally:
             os.close(fd)
     except OSError as exc:
-        raise UnreadableFileError(
-            exc.errno, f"cannot read {path}: {exc.strerror}; fix its permissions or pass "
-            "--on-error skip to leave it out"
-        ) from exc
+        raise UnreadableFileError(exc.errno, f"cannot read {path}: {exc.strerror}; "
+                                  f"{_read_fix(exc.errno)}") from exc
     if len(data) > size:
         # Still being written (a copy in progress, a log): what would be packed is a moment of
         # it, and the shard would outgrow the size the plan gave it.
@@ -392,7 +407,8 @@ def _pack_shard(task: _Task, fmt: str, codec: Codec, checksum: str, fsync: bool,
                             # A second try, raising the typed error.
                             data = _read_file(path, size)
                         else:
-                            if len(data) > size or len(data) >= BIG_READ:
+                            if len(data) != size or len(data) >= BIG_READ:
+                                # (grown, shrunk or replaced by a FIFO: _read_file tells)
                                 data = _read_file(path, size)
                         fields.append((name, data))
             except UnreadableFileError as exc:

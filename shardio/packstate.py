@@ -22,9 +22,11 @@ up.  A shard without it (a filesystem without user xattrs) is rewritten on resum
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from . import __version__
@@ -45,6 +47,8 @@ from .packplan import _fingerprint
 from .parity import PARITY_DIR, PARITY_FILE
 
 __all__ = ["DICT_NAME", "STATE_NAME"]
+
+log = logging.getLogger("shardio.pack")
 
 STATE_NAME = ".shardio-pack.json"
 # Part records and per-part state files of a multi-node pack (shardio.parts).
@@ -90,15 +94,50 @@ def _remove_parity(out: str) -> None:
         os.rmdir(pdir)
 
 
+def _earlier_pack(out: str, prefix: str) -> Callable[[str], bool]:
+    """Whether a name in ``out`` is a file of shardio's packs that ``--overwrite`` replaces:
+    this pack's names, and those of an earlier pack made with another ``--prefix`` (the shards
+    its manifest lists, or the prefix its unfinished run recorded).  A manifest ``shardio
+    index`` wrote lists the user's own tars: those stay."""
+    prefixes, listed = {prefix}, set()
+    state = _read_json(os.path.join(out, STATE_NAME))
+    if state is not None and isinstance(state.get("prefix"), str):
+        prefixes.add(state["prefix"])
+    try:
+        earlier = Manifest.load(out) if os.path.exists(os.path.join(out, MANIFEST_NAME)) else None
+    except ShardioError:  # damaged: its own prefix's files still go
+        earlier = None
+    if earlier is not None and earlier.job is not None:  # (a pack's, not an index's)
+        listed = {p for s in earlier.shards for p in (s.path, s.index)
+                  if p is not None and "/" not in p}
+    return lambda name: name in listed or any(_ours(name, p) for p in prefixes)
+
+
+def _lost_shards(out: str, manifest: Manifest) -> list[str]:
+    """The shards of ``manifest`` (a finished pack in ``out``) whose file or index is missing,
+    or whose file is not of the recorded size (a stat each: nothing is read)."""
+    lost = []
+    for s in manifest.shards:
+        try:
+            ok = os.stat(os.path.join(out, s.path)).st_size == s.bytes and (
+                s.index is None or os.path.isfile(os.path.join(out, s.index)))
+        except OSError:
+            ok = False
+        if not ok:
+            lost.append(s.path)
+    return lost
+
+
 def _prepare_out(out: str, job: str, options: PackOptions) -> Manifest | None:
     """Decide fresh / resume / already complete; returns the manifest when already complete."""
     names = os.listdir(out) if os.path.isdir(out) else []
     if options.overwrite:
+        ours = _earlier_pack(out, options.prefix)
         for n in names:
-            if _ours(n, options.prefix):
+            if ours(n):
                 os.unlink(os.path.join(out, n))
         _remove_parity(out)
-        names = [n for n in names if not _ours(n, options.prefix) and n != "parity"]
+        names = [n for n in names if not ours(n) and n != "parity"]
     state = _read_json(os.path.join(out, STATE_NAME))
     # An unfinished run of this job, or of these options over an input that changed since (or
     # that a streaming pack had not finished scanning: job None): each shard it published is
@@ -122,7 +161,19 @@ def _prepare_out(out: str, job: str, options: PackOptions) -> Manifest | None:
                     f"input files ({skipped}); rerun with --on-error skip to keep it, or with "
                     "--overwrite to pack again and stop at the first bad file"
                 )
-            return existing
+            lost = _lost_shards(out, existing)
+            if not lost:
+                return existing  # the same pack, finished: nothing to do
+            # Files of the finished pack were deleted or cut since: finish it again, as a run
+            # of this job killed before its manifest (every shard left is checked as one).
+            log.warning("OUT %s: the manifest of this pack names %s, which %s missing or not "
+                        "of the recorded size: writing %s again", out, ", ".join(lost[:3])
+                        + (f" and {len(lost) - 3} more" if len(lost) > 3 else ""),
+                        "is" if len(lost) == 1 else "are", "it" if len(lost) == 1 else "them")
+            os.unlink(os.path.join(out, MANIFEST_NAME))
+            remove_temp_files(out)
+            remove_temp_files(os.path.join(out, PARITY_DIR))
+            return None
     if options.resume:
         raise OutputNotEmptyError(
             f"--resume: {out} holds no unfinished run of a pack with these options (a finished "
@@ -254,6 +305,7 @@ def _write_state(out: str, options: PackOptions, job: str | None, shards: int | 
     # small file would only cost a journal commit (~15 ms) and guard nothing.
     atomic_write_bytes(os.path.join(out, STATE_NAME), json.dumps({
         "job": job, "options": _fingerprint(options.job_key()), "shards": shards,
+        "prefix": options.prefix,  # (what a later --overwrite with another prefix removes)
         "created_by": f"shardio {__version__}",
         "dictionary_digest": digest_bytes(codec.dictionary) if codec.dictionary else None,
     }).encode(), fsync=fsync)

@@ -137,6 +137,7 @@ from ._atomics import load_u64 as _load_u64
 from ._atomics import privatize as _privatize
 from ._atomics import store_u32 as _store_u32
 from ._atomics import store_u64 as _store_u64
+from .config import MIN_RING_BYTES
 from .errors import (
     MessageInUseError,
     MessageTooLargeError,
@@ -163,7 +164,7 @@ _HEADER_BYTES = 512
 _ALIGN = 64
 _RECORD_HEADER = 64
 _SKIP = 0xFFFF_FFFF_FFFF_FFFF
-_MIN_CAPACITY = 128
+_MIN_CAPACITY = MIN_RING_BYTES
 
 _OFF_HEAD = 64
 _OFF_TAIL = 128

@@ -226,7 +226,7 @@ def _manifest_problems(root: str) -> tuple[Manifest | None, list[Problem]]:
     try:
         raw = read_regular(os.path.join(root, MANIFEST_NAME))
         data = json.loads(raw)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (RecursionError: nested too deep)
         data = None  # Manifest.load says what is wrong
     if isinstance(data, dict) and data.get("format") == "shardio":
         # The digest first: it says the manifest was edited, before a bad value says how.

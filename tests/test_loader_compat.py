@@ -563,3 +563,32 @@ def test_a_malformed_worker_seed_is_refused_and_changes_nothing(
     with pytest.raises(UsageError, match="worker_seed must be an integer"):
         loader.load_state_dict(state | {"worker_seed": seed, "cursor": 8})
     assert (loader.seed, loader.dataset.epoch, loader.dataset._cursor) == (before, 5, 0)
+
+
+def _meta_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"w": torch.empty(3, device="meta"), "n": len(samples)}
+
+
+def _cyclic_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    batch: dict[str, Any] = {"n": len(samples)}
+    batch["self"] = batch
+    return batch
+
+
+def test_odd_batches_from_collate_fn(text: Path,
+                                     make_loader: Callable[..., ShardLoader]) -> None:
+    """A meta tensor (no data) failed in ``.cpu()`` before it could go in-band, as torch pickles
+    it; a batch inside itself overflowed the stack (RecursionError) with no word of why."""
+    ds = ShardDataset(text, batch_size=8)
+    b = next(iter(make_loader(ds, 8, collate_fn=_meta_collate)))
+    assert b["w"].is_meta and b["w"].shape == (3,) and b["n"] == 8
+    with pytest.raises(WorkerError, match="the batch refers to itself"):
+        next(iter(make_loader(ShardDataset(text, batch_size=8), 8, collate_fn=_cyclic_collate)))
+
+
+@pytest.mark.parametrize("value, words", [(0, "ring_bytes: size must be positive"),
+                                          (127, "ring_bytes must be at least 128 bytes"),
+                                          ("lots", "ring_bytes: invalid size")])
+def test_a_bad_ring_size_names_the_option(text: Path, value: Any, words: str) -> None:
+    with pytest.raises(UsageError, match=words):
+        ShardLoader(ShardDataset(text, batch_size=8), 8, num_workers=2, ring_bytes=value)

@@ -241,15 +241,20 @@ def test_pack_json_summary_and_mixed_fields(cli: Cli, mixed_tree: Path, tmp_path
 
 def test_files_from(cli: Cli, image_tree: Path, tmp_path: Path) -> None:
     files = sorted(p for p in image_tree.rglob("*.jpg"))
+    # A line starting with "#" is a path too (no comments, as tar -T): find's output packs whole.
+    hashed = image_tree / ("#" + files[0].name)
+    files[0].rename(hashed)
+    files[0] = hashed
     rel = [str(p.relative_to(image_tree)) for p in files[:10]]
     absolute = [str(p) for p in files[10:15]]
     lst = tmp_path / "list.txt"
-    lst.write_text("# a comment\n" + "\n".join(rel) + "\n\n" + "\n".join(absolute) + "\n")
+    lst.write_text("\n".join(rel) + "\n\n" + "\n".join(absolute) + "\n")
+    assert lst.read_text().startswith("#")
     out = tmp_path / "ds"
     rc, _, err = cli("pack", image_tree, out, "--files-from", lst)
     assert rc == 0, err
     keys = {str(p.relative_to(image_tree).with_suffix("")) for p in files[:15]}
-    assert read_back(out) == source_samples(image_tree, keys)
+    assert len(keys) == 15 and read_back(out) == source_samples(image_tree, keys)
 
     outside = tmp_path / "elsewhere.jpg"
     outside.write_bytes(b"x")
@@ -331,7 +336,8 @@ def test_format_hdf5(cli: Cli, mixed_tree: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, needle", [
     (["--shard-size", "banana"], "invalid size"),
     (["--shard-size", "0"], "must be positive"),
-    (["--samples-per-shard", "0"], "samples_per_shard must be >= 1"),
+    (["--shard-size", "1.5"], "a number of bytes is whole"),  # (was 1 byte)
+    (["--samples-per-shard", "0"], "samples_per_shard must be an integer >= 1"),
     (["--workers", "0"], "workers must be"),
     (["--compress", "lz4"], "invalid --compress"),
     (["--compress", "zstd:99"], "choose 1 to 22"),
@@ -1083,3 +1089,139 @@ def test_zstd_dictionary(cli: Cli, tmp_path: Path) -> None:
                      "--samples-per-shard", 100)
     assert rc == 0, err
     assert file_bytes(with_dict) == before
+
+
+_SWAP_AFTER_SCAN = r"""
+import os, sys
+import shardio, shardio.packer as pk
+from shardio.errors import UnreadableFileError
+src, out, how, fmt, workers, on_error = sys.argv[1:7]
+victim = os.path.join(src, "a", "s3.txt")
+scan = pk.scan_source
+def scan_then_swap(*a, **k):
+    got = scan(*a, **k)
+    os.unlink(victim)
+    if how == "fifo":
+        os.mkfifo(victim)
+    return got
+pk.scan_source = scan_then_swap
+try:
+    m = shardio.pack(src, out, files_from=os.path.join(src, "..", "list.txt"), format=fmt,
+                     workers=int(workers), samples_per_shard=2, on_error=on_error)
+    print("PACKED", m.num_samples, m.stats["skipped"])
+except UnreadableFileError as exc:
+    print("ERROR", exc)
+"""
+
+
+@pytest.mark.parametrize("fmt, workers", [("tar", 1), ("tar", 2), ("hdf5", 1)])
+@pytest.mark.parametrize("how", ["fifo", "gone"])
+def test_a_file_replaced_or_removed_after_the_scan(tmp_path: Path, fmt: str, workers: int,
+                                                   how: str) -> None:
+    """A file the scan saw as regular, replaced by a FIFO before its read, hung the pack for
+    ever (its open waited for a writer); one removed was blamed on its permissions."""
+    src = small_tree(tmp_path / "src")
+    _listing(src, tmp_path / "list.txt")  # (a listed source is scanned before any read)
+    script = tmp_path / "swap.py"
+    script.write_text(_SWAP_AFTER_SCAN)
+    for on_error in ("raise", "skip"):
+        out = tmp_path / f"out-{on_error}"
+        r = subprocess.run([sys.executable, str(script), str(src), str(out), how, fmt,
+                            str(workers), on_error], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        if how == "fifo":
+            os.unlink(src / "a" / "s3.txt")
+        small_tree(tmp_path / "src")  # s3.txt back for the next run
+        if on_error == "raise":
+            assert r.stdout.startswith("ERROR") and "s3.txt" in r.stdout, r.stdout
+            assert "changed since the scan" in r.stdout and "permissions" not in r.stdout
+            assert ("not a regular file" if how == "fifo" else "No such file") in r.stdout
+            assert not (out / "manifest.json").exists()
+        else:
+            assert r.stdout.split(maxsplit=2)[:2] == ["PACKED", "5"], r.stdout
+            assert "'unreadable': 1" in r.stdout
+
+
+def test_overwrite_with_another_prefix_removes_the_earlier_pack(tmp_path: Path) -> None:
+    """``--overwrite --prefix train`` left the earlier pack's ``shard-*`` files beside the new
+    ones (verify: extra shards); the user's own tars that ``shardio index`` listed stay."""
+    src = small_tree(tmp_path / "src")
+    out = tmp_path / "out"
+    shardio.pack(src, out, samples_per_shard=2, parity="2+1")
+    shardio.pack(src, out, samples_per_shard=3, prefix="train", overwrite=True)
+    assert sorted(os.listdir(out)) == ["manifest.json", "train-000000.tar",
+                                       "train-000000.tar.idx", "train-000001.tar",
+                                       "train-000001.tar.idx"]
+    assert shardio.verify_dataset(out) == []
+    # An unfinished run of another prefix: its state file names the prefix.
+    (out / "train-000000.tar").unlink()
+    (out / "manifest.json").unlink()
+    (out / ".shardio-pack.json").write_text(json.dumps({"job": "x", "options": "y",
+                                                        "prefix": "train"}))
+    shardio.pack(src, out, samples_per_shard=6, prefix="all", overwrite=True)
+    assert sorted(os.listdir(out)) == ["all-000000.tar", "all-000000.tar.idx", "manifest.json"]
+    # Tars indexed in place are the user's: an overwrite by a pack keeps them.
+    user = tmp_path / "user"
+    user.mkdir()
+    with tarfile.open(user / "mine.tar", "w") as tf:
+        tf.add(src / "a" / "s0.txt", arcname="k0.txt")
+    rc = subprocess.run([sys.executable, "-m", "shardio", "index", str(user / "mine.tar")],
+                        capture_output=True, text=True, timeout=120)
+    assert rc.returncode == 0, rc.stderr
+    shardio.pack(src, user, samples_per_shard=6, overwrite=True)
+    assert (user / "mine.tar").exists() and (user / "shard-000000.tar").exists()
+
+
+def test_a_rerun_writes_the_lost_shards_of_a_finished_pack(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A finished pack with a shard deleted since reported "packed ... into 2 shards" on a rerun
+    and left the dataset broken; now the rerun writes what is missing, like a resume."""
+    src = small_tree(tmp_path / "src")
+    out = tmp_path / "out"
+    shardio.pack(src, out, samples_per_shard=3)
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    stamps = {n: os.stat(out / n).st_mtime_ns for n in before}
+    shardio.pack(src, out, samples_per_shard=3, resume=True)  # finished: nothing to do
+    assert {n: os.stat(out / n).st_mtime_ns for n in before} == stamps
+    (out / "shard-000001.tar").unlink()
+    with open(out / "shard-000000.tar", "r+b") as f:  # and one cut short
+        f.truncate(1024)
+    with caplog.at_level("WARNING", logger="shardio.pack"):
+        shardio.pack(src, out, samples_per_shard=3)
+    assert "shard-000000.tar, shard-000001.tar, which are missing" in caplog.text
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    assert shardio.verify_dataset(out) == []
+
+
+@pytest.mark.parametrize("kw", [{"samples_per_shard": "3"}, {"samples_per_shard": True},
+                                {"samples_per_shard": 2.5}, {"workers": True}])
+def test_pack_options_of_the_wrong_type_are_usage_errors(tmp_path: Path,
+                                                         kw: dict[str, Any]) -> None:
+    src = small_tree(tmp_path / "src")
+    with pytest.raises(UsageError, match="must be an integer >= 1"):
+        shardio.pack(src, tmp_path / "out", **{"shard_size": "1MB", **kw})
+    assert not (tmp_path / "out").exists()
+
+
+def test_pack_workers_wait_on_descriptors_past_select_limit() -> None:
+    """``--workers 600`` failed with "filedescriptor out of range in select()": the pool's
+    pipes were numbered past 1024."""
+    import resource
+
+    from shardio._packpool import _wait_readable
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on descriptors is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    r, w = os.pipe()
+    high = 1100
+    try:
+        os.dup2(r, high)
+        os.write(w, b"x")
+        _wait_readable([high])  # returns: the byte is there
+        assert os.read(high, 1) == b"x"
+    finally:
+        for fd in (r, w, high):
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -23,6 +23,7 @@ from shardio.errors import (
     IndexCorruptError,
     ManifestCorruptError,
     NonUtf8NameError,
+    NotATarError,
     UnsafePathError,
 )
 from shardio.indexer import index_tars
@@ -530,3 +531,132 @@ def test_manifest_totals_that_contradict_its_shards(edit: str, cli: CLI, small_t
     else:
         assert lines[0].startswith("manifest.json: num_samples is not the sum") and (
             "expected=6" in lines[0])
+
+
+def _small_tar(path: Path, n: int = 10) -> list[int]:
+    """A ustar tar of ``n`` one-field samples; the offsets of their headers."""
+    offsets = []
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for i in range(n):
+            data = f"sample {i}".encode()
+            ti = tarfile.TarInfo(f"k{i:02d}.txt")
+            ti.size = len(data)
+            offsets.append(tf.offset)
+            tf.addfile(ti, io.BytesIO(data))
+    return offsets
+
+
+def test_index_refuses_a_tar_with_members_past_a_damaged_header(cli: CLI, tmp_path: Path) -> None:
+    """tarfile reads a header it cannot parse (after the first) as the end of the archive: a
+    flipped bit in member 3's header indexed 3 of 10 samples, exit 0, and verify said ok."""
+    tar = tmp_path / "x.tar"
+    offsets = _small_tar(tar)
+    flip_bit(tar, offsets[3] + 1)
+    rc, _, err = cli("index", tar)
+    assert rc == 1 and "NotATarError" in err and f"offset {offsets[3]}" in err, err
+    assert not (tmp_path / "manifest.json").exists() and not (tmp_path / "x.tar.idx").exists()
+    # A second archive appended: tar (without --ignore-zeros) and WebDataset stop before it.
+    good, more = tmp_path / "good" / "a.tar", tmp_path / "b.tar"
+    good.parent.mkdir()
+    _small_tar(good, 2)
+    _small_tar(more, 2)
+    clean = good.read_bytes()
+    assert index_tars([good]).num_samples == 2  # (zeros to the end: the usual tar)
+    with open(good, "ab") as f:
+        f.write(more.read_bytes())
+    with pytest.raises(NotATarError, match="second archive appended"):
+        index_tars([good], overwrite=True)
+    assert good.read_bytes()[:len(clean)] == clean
+
+
+def test_index_never_writes_an_index_over_a_tar_it_was_given(cli: CLI, tmp_path: Path) -> None:
+    """``shardio index a.tar a.tar.idx`` replaced the user's tar ``a.tar.idx`` by a.tar's
+    index."""
+    a, b = tmp_path / "a.tar", tmp_path / "a.tar.idx"
+    _small_tar(a, 2)
+    _small_tar(b, 3)
+    before = b.read_bytes()
+    rc, _, err = cli("index", a, b)
+    assert rc == 2 and "a.tar.idx is one of the tars given" in err, err
+    assert b.read_bytes() == before and not (tmp_path / "manifest.json").exists()
+
+
+def test_index_tar_names_and_places(cli: CLI, tmp_path: Path) -> None:
+    """A tar given twice through a symlink was indexed twice (its samples served twice); a
+    directory named ``..v2`` inside the root was "outside the dataset"."""
+    a = tmp_path / "a.tar"
+    _small_tar(a, 2)
+    os.symlink(a, tmp_path / "b.tar")
+    rc, _, err = cli("index", a, tmp_path / "b.tar")
+    assert rc == 2 and "listed twice" in err, err
+    inner = tmp_path / "..v2"
+    inner.mkdir()
+    _small_tar(inner / "c.tar", 2)
+    rc, out, err = cli("index", inner / "c.tar", a, "--root", tmp_path)
+    assert rc == 0, err
+    assert [s.path for s in shardio.Manifest.load(tmp_path).shards] == ["..v2/c.tar", "a.tar"]
+
+
+def test_index_refuses_the_shards_of_a_dataset_above(cli: CLI, tmp_path: Path) -> None:
+    """Indexing ``R/sub/a.tar`` of the dataset ``R`` again (another checksum, no --overwrite)
+    rewrote its ``.idx``, and ``verify R`` then found an index digest mismatch."""
+    sub = tmp_path / "R" / "sub"
+    sub.mkdir(parents=True)
+    _small_tar(sub / "a.tar", 3)
+    assert cli("index", sub / "a.tar", "--root", tmp_path / "R")[0] == 0
+    idx = (sub / "a.tar.idx").read_bytes()
+    rc, _, err = cli("index", sub / "a.tar", "--checksum", "crc32")
+    assert rc == 2 and "is a shard of the dataset" in err and "--overwrite" in err, err
+    assert (sub / "a.tar.idx").read_bytes() == idx and not (sub / "manifest.json").exists()
+    assert run_verify(cli, tmp_path / "R")[0] == 0
+    assert index_tars([sub / "a.tar"], overwrite=True).checksum == "xxh3_64"
+    # A manifest.json above that is not shardio's, or a dataset above that does not list the
+    # tar, claims nothing.
+    (tmp_path / "manifest.json").write_text('{"name": "some other tool"}')
+    (sub / "x").mkdir()
+    _small_tar(sub / "x" / "new.tar", 1)
+    rc, _, err = cli("index", sub / "x" / "new.tar")
+    assert rc == 0, err
+
+
+def test_manifests_that_resealed_edits_make_impossible(cli: CLI, small_tree: Path,
+                                                       tmp_path: Path) -> None:
+    """With the digest recomputed: a shard listed twice as ``X`` and ``./X`` (its samples
+    served twice), an unknown checksum algorithm: both were "ok"."""
+    for edit, words in [
+        (lambda d: d["shards"].append(dict(d["shards"][0], path="./" + d["shards"][0]["path"])),
+         "more than once"),
+        (lambda d: d["checksum"].update(sample="md5"), "checksum.sample is 'md5'"),
+        (lambda d: d["checksum"].update(shard="sha1"), "checksum.shard is 'sha1'"),
+    ]:
+        ds = tmp_path / f"ds{len(os.listdir(tmp_path))}"
+        pack_into(small_tree, ds, "tar", samples_per_shard=3)
+        rewrite_manifest(ds, edit, redigest=True)
+        rc, lines = run_verify(cli, ds)
+        assert rc == 1 and any("unusable manifest" in x and words in x for x in lines), lines
+        with pytest.raises(ManifestCorruptError, match=words.replace(".", r"\.")):
+            shardio.Manifest.load(ds)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000,
+                                  '{"format": "shardio", "version": ' + "9" * 5000 + "}"])
+def test_a_manifest_json_cannot_parse_is_corrupt_not_a_traceback(text: str, cli: CLI,
+                                                                small_tree: Path,
+                                                                tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    pack_into(small_tree, ds, "tar", samples_per_shard=3)
+    (ds / "manifest.json").write_text(text)
+    with pytest.raises(ManifestCorruptError, match="not valid JSON"):
+        shardio.Manifest.load(ds)
+    rc, lines = run_verify(cli, ds)
+    assert rc == 1 and "unusable manifest" in lines[-1] and "not valid JSON" in lines[-1]
+
+
+def test_a_problem_with_a_newline_in_its_path_is_one_line(cli: CLI, tmp_path: Path) -> None:
+    tar = tmp_path / "part\nA.tar"
+    _small_tar(tar, 2)
+    assert cli("index", tar)[0] == 0
+    flip_bit(tar, 512)
+    rc, lines = run_verify(cli, tmp_path)
+    assert rc == 1 and len(lines) == 2, lines
+    assert all(x.startswith("'part\\nA.tar': ") for x in lines), lines

@@ -728,7 +728,9 @@ class Problem:
     found: str | None = None
 
     def __str__(self) -> str:
-        parts = [f"{self.path}: {self.what}"]
+        # One line per problem: a path with a newline (or other control character) is quoted.
+        path = self.path if self.path.isprintable() else repr(self.path)
+        parts = [f"{path}: {self.what}"]
         if self.key is not None:
             parts.append(f"key={self.key!r}")
         if self.field is not None:

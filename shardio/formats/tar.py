@@ -464,6 +464,8 @@ def _members(path: str) -> Iterator[tarfile.TarInfo]:
         # which index_tar reports (_utf8_name).
         with tarfile.open(path, "r:", encoding="utf-8", errors="surrogateescape") as tf:
             yield from tf
+            end = tf.offset
+        _only_zeros_after(path, end)
     except tarfile.ReadError as exc:
         raise NotATarError(
             f"{path} is not an uncompressed tar ({exc}); shardio indexes plain .tar shards: "
@@ -471,6 +473,26 @@ def _members(path: str) -> Iterator[tarfile.TarInfo]:
         ) from exc
     except OSError as exc:
         raise translate_oserror(exc, path, "reading") from exc
+
+
+def _only_zeros_after(path: str, end: int) -> None:
+    """Refuse a tar with bytes other than zeros after ``end``, where :mod:`tarfile` stopped
+    reading: a header it could not parse after the first one reads as the end of the archive,
+    so a damaged header would silently drop every member after it (GNU tar: "Skipping to next
+    header")."""
+    with open(path, "rb") as f:
+        f.seek(end)
+        at = end
+        while chunk := f.read(1 << 16):
+            bad = len(chunk) - len(chunk.lstrip(b"\0"))
+            if bad < len(chunk):
+                raise NotATarError(
+                    f"{path}: bytes other than zeros at offset {at + bad}, after the last member "
+                    f"tar can read (which ends at {end}): a damaged member header, or a second "
+                    "archive appended to the first (`cat a.tar b.tar`), whose members tar and "
+                    "WebDataset do not read; restore the tar from a good copy, or repack its "
+                    "files (`tar -x --ignore-zeros`, then `shardio pack`)")
+            at += len(chunk)
 
 
 def _utf8_name(path: str, name: str) -> None:
