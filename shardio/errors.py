@@ -25,6 +25,8 @@ involved and say what to change.
     │   ├── ManifestCorruptError
     │   ├── ManifestVersionError                 written by a newer shardio
     │   └── UnsafePathError                      a shard path escapes the dataset directory
+    ├── DatasetChangedError                      the dataset was packed again in place under a
+    │                                            live reader; make a new reader/dataset
     ├── ShardNotFoundError (FileNotFoundError)
     ├── ShardCorruptError                        a shard's bytes are not what the manifest says
     │   ├── ShardTruncatedError
@@ -61,6 +63,7 @@ from __future__ import annotations
 __all__ = [
     "BrokenSymlinkError",
     "ChecksumMismatchError",
+    "DatasetChangedError",
     "DecodeError",
     "DuplicateKeyError",
     "EmptySourceError",
@@ -182,6 +185,14 @@ class ManifestVersionError(ManifestError):
 
 class UnsafePathError(ManifestError):
     """A path in the manifest is absolute or leaves the dataset directory."""
+
+
+class DatasetChangedError(ShardioError):
+    """The dataset was packed again in place (``pack --overwrite`` into the same directory)
+    while a reader still held the index of its old shards: reading on through that index would
+    deliver wrong bytes.  Make a new reader or dataset (``shardio.open_dataset``,
+    ``ShardDataset``, ``ShardLoader``) after repacking.  Not a fault of one copy of a shard, so
+    the repair ladder does not act on it."""
 
 
 class ShardNotFoundError(ShardioError, FileNotFoundError):

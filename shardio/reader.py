@@ -15,9 +15,11 @@ from ._fsutil import read_regular, resolve_in, translate_oserror
 from .checksum import digest_bytes
 from .codec import Codec
 from .errors import (
+    DatasetChangedError,
     IndexCorruptError,
     LayoutError,
     ManifestCorruptError,
+    ManifestError,
     MissingDependencyError,
     ParityError,
     ShardIOError,
@@ -26,8 +28,9 @@ from .errors import (
     UnrepairableError,
 )
 from .formats import ShardIndex, ShardReader, index_loader
+from .formats.base import FileIdent, file_ident
 from .lustre import detect_fs, get_layout, read_block_size, spread_by_ost
-from .manifest import Manifest
+from .manifest import MANIFEST_NAME, Manifest
 from .repair import FAULTS, Copy, CopyLadder, rebuilt_index_matches
 
 log = logging.getLogger("shardio.reader")
@@ -109,6 +112,8 @@ class DatasetReader:
                  read_block: int = 8 << 20) -> None:
         self.root = os.fspath(root)
         self.max_open_shards = max_open_shards
+        # (stat first: a manifest replaced between the two is then seen as changed, and checked)
+        self._manifest_ident = self._manifest_now()
         self.manifest = Manifest.load(self.root)
         self.verify = verify
         self.codec = load_codec(self.root, self.manifest, tuple(os.fspath(r) for r in replicas))
@@ -124,7 +129,8 @@ class DatasetReader:
         self._readers: OrderedDict[int, tuple[Copy, ShardReader]] = OrderedDict()
         self._reopened = 0  # counts changes to _readers (read_ids' batch reads look at it)
         self._removals_seen = -1  # the node cache's removal count at the last look
-        self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
+        # Each cached index with the file it was loaded from: (path, identity, index).
+        self._indexes: OrderedDict[int, tuple[str, FileIdent, ShardIndex]] = OrderedDict()
         self._advised: set[int] = set()
         self.arena: Any = None
 
@@ -231,7 +237,7 @@ class DatasetReader:
             _ = self.on_lustre  # sets read_block from the stripe size on Lustre
         self.counters.add("stats")
         try:
-            size = os.stat(path).st_size
+            st = os.stat(path)
         except FileNotFoundError as exc:
             raise ShardNotFoundError(
                 f"shard {path} listed in the manifest is missing; restore it from a copy or "
@@ -239,21 +245,29 @@ class DatasetReader:
             ) from exc
         except OSError as exc:
             raise translate_oserror(exc, path, "opening shard") from exc
+        size, ident = st.st_size, file_ident(st)
         if size < entry.bytes:
             raise ShardTruncatedError(
                 f"shard {path} has {size} bytes, the manifest records {entry.bytes}; it was "
                 "truncated: restore it from a good copy"
             )
-        index = self._indexes.get(i)
-        if index is None:
+        cached = self._indexes.get(i)
+        if cached is not None and cached[:2] == (path, ident):
+            index = cached[2]
+        else:
+            # First open, another copy, or the file changed since its index was loaded: load
+            # this file's own index (a cached one may describe another file: never read through
+            # it), and check it and the manifest on disk.
             self.counters.add("opens")
             index = self._load_index(path)
+            self._check_manifest()
             if (entry.index_digest and index.digest != entry.index_digest
                     and not rebuilt_index_matches(index, entry)):
                 # Self-consistent, but not the index the dataset was packed with: a replica or
                 # copy of another version of the shard (its fields would pass their checksums).
                 # (Save one read from a verified copy of the shard after a parity rebuild: see
-                # repair._ensure_index.)
+                # repair._ensure_index.)  Or the dataset was packed again in place.
+                self._check_manifest(gone_is_change=True)
                 raise IndexCorruptError(
                     f"the index of {path} does not match the manifest (index_digest "
                     f"{entry.index_digest}, found {index.digest or 'none'}): this copy is damaged "
@@ -261,15 +275,50 @@ class DatasetReader:
                     "(`shardio verify` lists the damaged shards)"
                 )
             if len(index) != entry.samples:
+                self._check_manifest(gone_is_change=True)
                 raise ManifestCorruptError(
                     f"shard {path} indexes {len(index)} samples, the manifest says "
                     f"{entry.samples}; the manifest and shard disagree: run `shardio verify`"
                 )
-            self._indexes[i] = index
+            self._indexes[i] = (path, ident, index)
         self.counters.add("opens")
         return ShardReader(path, index, self.codec, self.verify, entry.bytes,
                            read_block=self.read_block, on_read=self.counters.adder(f"bytes_{kind}"),
-                           advice=os.POSIX_FADV_SEQUENTIAL if kind != "cache" else None)
+                           advice=os.POSIX_FADV_SEQUENTIAL if kind != "cache" else None,
+                           ident=ident, load_index=self._load_index)
+
+    def _manifest_now(self) -> FileIdent | None:
+        try:
+            return file_ident(os.stat(os.path.join(self.root, MANIFEST_NAME)))
+        except OSError:
+            return None
+
+    def _check_manifest(self, gone_is_change: bool = False) -> None:
+        """Called as a shard's index is loaded: one ``stat`` while the manifest is the file this
+        reader loaded; when it was replaced, its shard list is compared.  With
+        ``gone_is_change`` (a shard's index disagrees with the manifest) a manifest that is
+        gone, or cannot be loaded now, counts as changed too: a pack in progress in place.
+
+        Raises:
+            DatasetChangedError: the manifest on disk now lists other shards (the dataset was
+                packed again in place since this reader was made).
+        """
+        now = self._manifest_now()
+        if now == self._manifest_ident or (now is None and not gone_is_change):
+            return  # (otherwise a manifest gone is the shard reads' business)
+        try:
+            shards = Manifest.load(self.root).shards if now is not None else None
+        except (OSError, ManifestError):
+            shards = None
+        if shards is None and not gone_is_change:
+            return  # (mid-write, damaged: the shard reads meet what is wrong)
+        if shards != self.manifest.shards:
+            raise DatasetChangedError(
+                f"the dataset {self.root} was packed again in place since this reader was made: "
+                "its manifest is gone or lists other shards now; make a new reader/dataset "
+                "(open_dataset, ShardDataset, ShardLoader) after repacking"
+            )
+        self._manifest_ident = now  # rewritten, same shards (a repair): no need to look again
 
     def prefer_cache(self) -> int:
         """Move shards read from elsewhere onto node-cache copies published since they were

@@ -342,3 +342,93 @@ class TestTarFormat(ShardFormatTests):
 
 class TestHdf5Format(ShardFormatTests):
     fmt = "hdf5"
+
+
+# --- a dataset packed again in place under a live reader ----------------------------------------
+def _versioned_tree(src: Path, tag: str) -> None:
+    """12 samples whose keys and field sizes are the same for every ``tag``, their bytes not:
+    the old index points at valid ranges of the new shards (the worst case: wrong bytes)."""
+    write_tree(src, {f"s{i:03d}": {"txt": f"{tag}{i:03d}-".encode() * 30,
+                                   "bin": bytes([ord(tag) ^ i]) * (64 + i)} for i in range(12)})
+
+
+def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return "ok", fn()
+    except Exception as exc:  # (the type crosses the process boundary by name)
+        return type(exc).__name__, str(exc)
+
+
+def _in_forked_child(fn: Callable[[], Any]) -> tuple[str, Any]:
+    """``fn()``'s result or error in a forked child: it inherits the parent's readers, with
+    their cached indexes, and opens its own descriptors (as a loader worker does)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.SimpleQueue()
+    child = ctx.Process(target=lambda: queue.put(_outcome(fn)))
+    child.start()
+    try:
+        return queue.get()
+    finally:
+        child.join(60)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+def test_a_dataset_packed_again_in_place_is_not_read_through_the_old_index(
+        fmt: str, verify: bool, tmp_path: Path) -> None:
+    import pickle
+
+    from shardio.errors import DatasetChangedError
+
+    old_src, new_src, out = tmp_path / "old", tmp_path / "new", tmp_path / "ds"
+    _versioned_tree(old_src, "a")
+    _versioned_tree(new_src, "b")
+    pack_into(old_src, out, fmt, samples_per_shard=4)
+    new = source_samples(new_src)
+    reader = shardio.open_dataset(out, verify=verify)
+    try:
+        assert split_sample(reader[0]) == ("s000", source_samples(old_src)["s000"])
+        assert split_sample(reader[1])[0] == "s001"  # shard 0 open, its index cached
+        pack_into(new_src, out, fmt, samples_per_shard=4, overwrite=True)
+        assert dict(read_all(out)) == new  # what a new reader sees
+
+        # A forked worker reopens shard 0 (the new file) with the index it inherited.
+        kind, why = _in_forked_child(lambda: reader[2])
+        assert kind == "DatasetChangedError", (kind, why)
+        assert "make a new reader/dataset" in why
+        # So does this process once its descriptor is closed (after a fault, an eviction).
+        reader.shard(0).close()
+        with pytest.raises(DatasetChangedError, match="packed again in place"):
+            reader[3]
+        # A shard this reader never opened: the manifest on disk lists other shards now.
+        with pytest.raises(DatasetChangedError, match="make a new reader/dataset"):
+            reader[5]
+        # A reader pickled into another process, with the manifest it was made from.
+        with pytest.raises(DatasetChangedError):
+            pickle.loads(pickle.dumps(reader))[0]
+    finally:
+        reader.close()
+    with shardio.open_dataset(out, verify=verify) as fresh:
+        assert [split_sample(fresh[i]) for i in range(len(fresh))] == sorted(new.items())
+
+
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+def test_a_shard_copied_over_itself_is_read_on(fmt: str, tmp_path: Path) -> None:
+    src, out = tmp_path / "src", tmp_path / "ds"
+    _versioned_tree(src, "a")
+    pack_into(src, out, fmt, samples_per_shard=4)
+    want = sorted(source_samples(src).items())
+    with shardio.open_dataset(out) as reader:
+        assert split_sample(reader[0]) == want[0]  # shard 0 open, its index cached
+        path = reader.shard_path(0)
+        before = os.stat(path).st_ino
+        copy = tmp_path / "copy"
+        copy.write_bytes(Path(path).read_bytes())
+        os.replace(copy, path)  # same bytes, another file (a restore from a backup, say)
+        assert os.stat(path).st_ino != before
+        assert _in_forked_child(lambda: split_sample(reader[1])) == ("ok", want[1])
+        reader.shard(0).close()
+        assert [split_sample(reader[i]) for i in range(len(reader))] == want
+        assert [split_sample(s) for s in reader] == want

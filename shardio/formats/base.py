@@ -38,6 +38,7 @@ from ..checksum import hex64, sample_checksum_fn
 from ..codec import FLAG_ZSTD, Codec
 from ..errors import (
     ChecksumMismatchError,
+    DatasetChangedError,
     IndexCorruptError,
     ManifestVersionError,
     ShardNotFoundError,
@@ -49,7 +50,8 @@ try:  # one-preadv sample reads (shardio/_sampleio.c); ShardReader._decode is th
 except ImportError:  # pragma: no cover - built with the package on Linux
     _SampleIndex = None
 
-__all__ = ["IndexBuilder", "ShardIndex", "ShardReader", "ShardWriter", "WrittenShard"]
+__all__ = ["IndexBuilder", "ShardIndex", "ShardReader", "ShardWriter", "WrittenShard",
+           "file_ident"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -70,6 +72,14 @@ else:
 # descriptors) without a getpid() system call per read.
 _PID = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+FileIdent = tuple[int, int, int]
+
+
+def file_ident(st: os.stat_result) -> FileIdent:
+    """Which file a stat result describes: ``(st_dev, st_ino, st_mtime_ns)``.  A shard packed
+    again in place is a new file (new inode), or at least a rewritten one (new mtime)."""
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
 
 INDEX_MAGIC = b"SHARDIDX"
 INDEX_END = b"SHIDXEND"
@@ -152,6 +162,15 @@ class ShardIndex:
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name, _ in _ARRAYS}
+
+    def same_layout(self, other: ShardIndex) -> bool:
+        """Whether ``other`` says the same as this index about every sample: keys, field names,
+        where each field lies, how it is stored and its checksum (so reads through either give
+        the same bytes).  ``digest`` and ``meta`` are left out: an index rebuilt from a verified
+        copy of a shard has another digest but reads the same."""
+        return (self.field_names == other.field_names and self.checksum == other.checksum
+                and bytes(self.key_blob) == bytes(other.key_blob)
+                and all(np.array_equal(getattr(self, n), getattr(other, n)) for n, _ in _ARRAYS))
 
     # --- standalone file -------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -440,7 +459,8 @@ class ShardReader:
     def __init__(self, path: str, index: ShardIndex, codec: Codec, verify: bool = True,
                  expected_size: int | None = None, *, read_block: int = 8 << 20,
                  on_read: Callable[[int], None] | None = None,
-                 advice: int | None = None) -> None:
+                 advice: int | None = None, ident: FileIdent | None = None,
+                 load_index: Callable[[str], ShardIndex] | None = None) -> None:
         self.path = path
         self.index = index
         self.codec = codec
@@ -449,6 +469,11 @@ class ShardReader:
         self.read_block = read_block
         self.on_read = on_read
         self.advice = advice
+        # The file ``index`` describes (None: the first one opened), and how to load the index of
+        # another: a descriptor reopened after a fork, in another process or after close() may
+        # meet a file packed again in place, which ``index`` must not be used to read.
+        self.ident = ident
+        self.load_index = load_index
         self._check = sample_checksum_fn(index.checksum)
         # Zero-copy reads (:mod:`shardio.sharedbytes`): spans are read into the arena's chunks
         # and large uncompressed fields are handed out as views of them.  Duck-typed here.
@@ -475,7 +500,13 @@ class ShardReader:
                 ) from exc
             except OSError as exc:
                 raise translate_oserror(exc, self.path, "opening shard") from exc
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            try:
+                self._same_file(file_ident(st))
+            except BaseException:
+                os.close(fd)
+                raise
             if self.advice is not None:
                 os.posix_fadvise(fd, 0, 0, self.advice)
             if self.expected_size is not None and size < self.expected_size:
@@ -486,6 +517,26 @@ class ShardReader:
                 )
             self._hfd, self._hpid = fd, _PID[0]
         return self._hfd
+
+    def _same_file(self, ident: FileIdent) -> None:
+        """Check that the file just opened (``ident``) is one ``self.index`` reads: the file it
+        was loaded from, or another whose own index says the same (a shard copied back over
+        itself, restored from a replica).
+
+        Raises:
+            DatasetChangedError: the shard was replaced by another (packed again in place).
+        """
+        if self.ident is None or ident == self.ident:
+            self.ident = ident
+            return
+        if self.load_index is None or not self.load_index(self.path).same_layout(self.index):
+            raise DatasetChangedError(
+                f"shard {self.path} was replaced since its index was loaded (the dataset was "
+                "packed again in place?) and its new index differs: reading on through the old "
+                "one would deliver wrong bytes; make a new reader/dataset (open_dataset, "
+                "ShardDataset, ShardLoader) after repacking"
+            )
+        self.ident = ident
 
     def read_span(self, start: int, end: int) -> bytes:
         """Return shard bytes ``[start, end)``.
