@@ -36,6 +36,7 @@ import math
 import pickle
 import struct
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -56,6 +57,7 @@ __all__ = [
     "KIND_RING_SPACE",
     "Plan",
     "error_message",
+    "is_area_field",
     "plan_collate",
     "plan_tree",
     "read_error",
@@ -185,6 +187,20 @@ except ImportError:  # pragma: no cover - NumPy 1.x
     _byte_bounds = np.byte_bounds
 
 
+# This process's live areas' arrays, by id: how a collate function (zero_copy_collate) tells a
+# field the reader cut from a ring area from any other uint8 array (see is_area_field).
+_AREAS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
+def is_area_field(x: Any) -> bool:
+    """Whether ``x`` is a byte field the reader cut from a ring area (``ShardLoader`` with
+    ``zero_copy``: a read-only 1-d ``uint8`` array viewing the message being built)."""
+    if type(x) is not np.ndarray or x.ndim != 1 or x.dtype != np.uint8:
+        return False
+    base = x.base
+    return base is not None and _AREAS.get(id(base)) is base
+
+
 class Area:
     """Memory a message is being built in before its size is known: ``buf`` (a writable
     buffer: a ring reservation) holds, from ``start``, bytes read into it (see
@@ -195,6 +211,7 @@ class Area:
         self.buf = buf
         self.array = np.frombuffer(buf, dtype=np.uint8)
         self.array.flags.writeable = False  # fields are cut from it (read-only, as zero_copy's)
+        _AREAS[id(self.array)] = self.array
         self.addr = self.array.ctypes.data
         self.start = start
         self.used = 0

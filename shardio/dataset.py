@@ -658,8 +658,8 @@ def _ids_at(order: EpochOrder, positions: np.ndarray) -> np.ndarray:
 
 def zero_copy_collate(batch: list[Any]) -> Any:
     """torch's ``default_collate`` for ``ShardDataset(zero_copy=True)`` under DataLoader: a
-    field that arrives as a read-only ``uint8`` array viewing shared memory stays a list per
-    field, as a ``bytes`` field does (``default_collate`` would try to stack them into one
+    field that arrives as a read-only ``uint8`` array viewing shared memory (an arena chunk,
+    or under ``ShardLoader`` the worker's ring) stays a list per field, as a ``bytes`` field does (``default_collate`` would try to stack them into one
     tensor, which fails when their sizes differ); everything else is collated as
     ``default_collate`` does.  Pass it as ``DataLoader(..., collate_fn=zero_copy_collate)``."""
     from torch.utils.data._utils.collate import collate, default_collate_fn_map
@@ -676,8 +676,11 @@ _ZERO_COPY_MAP: dict[Any, Any] | None = None
 def _collate_arrays(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
     from torch.utils.data._utils.collate import collate_numpy_array_fn
 
+    from ._tree import is_area_field
     from .sharedbytes import is_arena_field
 
-    if any(is_arena_field(x) for x in batch):
+    # Fields cut from an arena (DataLoader) or from a ShardLoader worker's ring area: byte
+    # fields of any size, kept a list as a column of bytes is (stacking fails on sizes).
+    if any(is_arena_field(x) or is_area_field(x) for x in batch):
         return list(batch)
     return collate_numpy_array_fn(batch, collate_fn_map=collate_fn_map)

@@ -842,3 +842,26 @@ def test_a_worker_killed_while_reading_into_its_ring_is_replaced(ds_path: Path) 
             assert sorted(keys) == sorted(ref), epoch
             assert in_ring > 0
         assert loader.stats()["restarts"] == 1
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_zero_copy_collate_keeps_ring_fields_as_lists_under_shard_loader(
+        ds_path: Path, workers: int) -> None:
+    """Under ShardLoader the worker reads the samples into its ring, so the fields that
+    ``zero_copy_collate`` gets are views of the ring (not of an arena): of different sizes, they
+    stay a list per field as under DataLoader, rather than failing to stack."""
+    ref = _reference(ds_path)
+    ds = shardio.ShardDataset(ds_path, batch_size=8, zero_copy=True)
+    with shardio.ShardLoader(ds, batch_size=8, num_workers=workers,
+                             collate_fn=shardio.zero_copy_collate) as loader:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            seen = 0
+            for batch in loader:
+                assert isinstance(batch["bin"], list)
+                for key, x in zip(batch["__key__"], batch["bin"]):
+                    assert _as_bytes(x) == ref[key]["bin"]
+                    assert type(x) is (bytes if len(ref[key]["bin"]) < sb.MIN_BYTES
+                                       else np.ndarray)
+                seen += len(batch["__key__"])
+            assert seen == N
