@@ -24,6 +24,7 @@ import xxhash
 
 import shardio
 from shardio.checksum import file_digest, hex64, sample_checksum_fn
+from shardio.codec import FLAG_ZSTD
 from shardio.errors import (
     ChecksumMismatchError,
     IndexCorruptError,
@@ -245,6 +246,33 @@ class CorruptionTests:
         assert len(lines) == 1  # the shards themselves are intact
         with pytest.raises(ManifestCorruptError, match="zstd dictionary"):
             shardio.open_dataset(out)
+
+    @pytest.mark.parametrize("verify", [True, False])
+    def test_damaged_zstd_field_is_a_checksum_mismatch(self, verify: bool, text_tree: Path,  # noqa: F811
+                                                       tmp_path: Path) -> None:
+        """A compressed field whose stored bytes were damaged (its zstd frame header here, so
+        it does not decompress) is a ChecksumMismatchError with verify=False too: the read
+        checks the bytes when they fail to decode, rather than raising the zstd error (or
+        blaming the dataset's compression settings)."""
+        out = tmp_path / "zstd"
+        pack_into(text_tree, out, self.fmt, samples_per_shard=80, compress="zstd")
+        with shardio.open_dataset(out) as reader:
+            idx: ShardIndex = reader.shard_index(1)
+            rows = [(i, r) for i in range(len(idx)) for r in idx.rows(i)
+                    if int(idx.f_flags[r]) & FLAG_ZSTD]
+            assert rows, "no field was stored compressed"
+            i, r = rows[len(rows) // 2]
+            path, offset = reader.shard_path(1), int(idx.f_offset[r])
+            key, field = idx.key(i), idx.field_names[int(idx.f_name[r])]
+            at, expected = int(reader.offsets[1]) + i, hex64(idx.f_checksum[r])
+        flip_bit(path, offset, bit=3)  # the first byte of the zstd magic number
+        with shardio.open_dataset(out, verify=verify) as reader:
+            with pytest.raises(ChecksumMismatchError) as ei:
+                reader[at]
+            err = ei.value
+            assert (err.shard, err.key, err.field, err.offset) == (path, key, field, offset)
+            assert err.expected == expected and err.found != expected
+            assert reader[int(reader.offsets[2])]["__key__"]  # other shards still read
 
     @pytest.mark.parametrize("edit", ["shard_samples", "shard_bytes", "shard_digest"])
     def test_edited_manifest_with_forged_digest(self, edit: str, cli: CLI, ds: Path) -> None:

@@ -40,6 +40,7 @@ from ..errors import (
     ChecksumMismatchError,
     DatasetChangedError,
     IndexCorruptError,
+    ManifestCorruptError,
     ManifestVersionError,
     ShardNotFoundError,
     ShardTruncatedError,
@@ -664,7 +665,18 @@ class ShardReader:
                     )
             flags = fflags[r]
             if flags:
-                sample[name] = self.codec.decode(stored, flags, fraw[r])
+                try:
+                    sample[name] = self.codec.decode(stored, flags, fraw[r])
+                except ManifestCorruptError:
+                    if check is None:
+                        # Unverified: check now.  Damaged bytes are the shard's fault (the
+                        # ladder's business), not the compression settings'.
+                        found = self._check(stored)
+                        if found != fsum[r]:
+                            raise ChecksumMismatchError(
+                                self.path, key, name, foff[r], hex64(fsum[r]), hex64(found),
+                            ) from None
+                    raise
             elif n >= big:
                 sample[name] = view[voff + off : voff + off + n]
             else:
