@@ -443,8 +443,15 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
 
     def __getitem__(self, i: int) -> Any:
         """Sample ``i`` in manifest order (decoded and transformed like iteration): random
-        access for evaluation and debugging."""
-        return self._prepare(self.reader[int(i)])
+        access for evaluation and debugging.  ``i`` is taken as a list takes an index, over
+        all the dataset's samples (``len(self.reader)``, not this rank's ``len(self)``): any
+        integer, numpy's too, negative ones from the end.
+
+        Raises:
+            TypeError: ``i`` is not an integer (a float, a string, a slice).
+            IndexError: ``i`` is out of range (the message shows the valid range).
+        """
+        return self._prepare(self.reader[i])
 
     def io_stats(self) -> dict[str, Any]:
         """Fault/repair events and reads per source (opens, stats, bytes) of this process and its

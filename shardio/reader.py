@@ -28,7 +28,7 @@ from .errors import (
     UnrepairableError,
 )
 from .formats import ShardIndex, ShardReader, index_loader
-from .formats.base import FileIdent, file_ident
+from .formats.base import FileIdent, file_ident, list_position
 from .lustre import detect_fs, get_layout, read_block_size, spread_by_ost
 from .manifest import MANIFEST_NAME, Manifest
 from .repair import FAULTS, Copy, CopyLadder, rebuilt_index_matches
@@ -416,16 +416,19 @@ class DatasetReader:
                 pass  # the real read meets the fault again and handles it
 
     def locate(self, i: int) -> tuple[int, int]:
-        """``(shard, position in shard)`` of global sample ``i``."""
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"sample {i} out of range ({n} samples)")
+        """``(shard, position in shard)`` of global sample ``i``, taken as a list takes an
+        index: any integer (numpy's too), negative ones from the end.
+
+        Raises:
+            TypeError: ``i`` is not an integer (a float, a string, a slice).
+            IndexError: ``i`` is out of range (the message shows the valid range).
+        """
+        i = list_position(i, len(self), f"the dataset {self.root}")
         s = int(np.searchsorted(self.offsets, i, side="right")) - 1
         return s, i - int(self.offsets[s])
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        """Sample ``i`` (see :meth:`locate` for what ``i`` may be)."""
         s, j = self.locate(i)
         for sample in self._read_run(s, j, j + 1):
             return sample

@@ -736,6 +736,42 @@ def test_random_access_agrees_with_iteration(tiny: Path) -> None:
         ds[N]
 
 
+def test_random_access_takes_what_a_list_takes(tiny: Path) -> None:
+    """An index is taken as a list takes one: ints, bools and numpy integers; negative ones
+    from the end; a float (even 2.0), a numpy float or bool, a string is a TypeError (it was
+    coerced with int(): ds[2.7] read sample 2), and so is a slice (no list of samples);
+    out of range is an IndexError showing the
+    index and the valid range."""
+    keys = manifest_keys(tiny)
+    ds = shardio.ShardDataset(tiny, shuffle=False)
+    with shardio.open_dataset(tiny) as reader:
+        shard0 = reader.shard(0)
+        for seq, n, get in [(ds, N, lambda x: x["__key__"]),
+                            (reader, N, lambda x: x["__key__"]),
+                            (shard0, len(shard0), lambda x: x["__key__"])]:
+            want = keys[:n]
+            for i in [0, 1, n - 1, -1, -n, True, False, np.int64(3), np.uint8(2), np.int32(-2),
+                      np.array(4)]:
+                assert get(seq[i]) == want[i], i  # what the list of keys gives
+            for bad in [2.0, 2.7, np.float64(1.0), "3", None, np.bool_(True), slice(0, 2)]:
+                if type(bad) is not slice:  # (a list takes a slice; random access does not)
+                    with pytest.raises(TypeError):
+                        want[bad]  # type: ignore[index]
+                with pytest.raises(TypeError, match=f"must be integers.*{type(bad).__name__}"):
+                    seq[bad]
+            for bad in [n, n + 7, -n - 1, np.int64(-n - 1)]:
+                with pytest.raises(IndexError):
+                    want[bad]
+                with pytest.raises(IndexError) as ei:
+                    seq[bad]
+                assert f"sample index {int(bad)} out of range" in str(ei.value)
+                assert f"valid indices: {-n}..{n - 1}" in str(ei.value)
+        assert reader.locate(-1) == (reader.num_shards - 1, N - 1 - int(reader.offsets[-2]))
+        assert reader.locate(np.int64(9)) == reader.locate(9)
+        with pytest.raises(TypeError):
+            reader.locate(9.0)
+
+
 def test_decode_images_and_labels(image_tree: Path, tmp_path: Path) -> None:
     from PIL import Image
 

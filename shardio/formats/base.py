@@ -21,6 +21,7 @@ Standalone index file (``<shard>.idx``, used beside tar shards)::
 from __future__ import annotations
 
 import json
+import operator
 import os
 import struct
 import sys
@@ -52,7 +53,7 @@ except ImportError:  # pragma: no cover - built with the package on Linux
     _SampleIndex = None
 
 __all__ = ["IndexBuilder", "ShardIndex", "ShardReader", "ShardWriter", "WrittenShard",
-           "file_ident"]
+           "file_ident", "list_position"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -81,6 +82,29 @@ def file_ident(st: os.stat_result) -> FileIdent:
     """Which file a stat result describes: ``(st_dev, st_ino, st_mtime_ns)``.  A shard packed
     again in place is a new file (new inode), or at least a rewritten one (new mtime)."""
     return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+def list_position(i: Any, n: int, where: str) -> int:
+    """Position ``i`` in a sequence of ``n`` samples, taken as a list takes an index: any
+    integer (``int``, ``bool``, numpy integers: :func:`operator.index`), negative ones counting
+    from the end; never a float, a string or a slice.  ``where`` names the sequence in errors.
+
+    Raises:
+        TypeError: ``i`` is not an integer.
+        IndexError: ``i`` is outside ``-n..n-1``; the message shows it and the valid range.
+    """
+    try:
+        k = operator.index(i)
+    except TypeError:
+        hint = "; it reads one sample: index each one (or iterate)" if type(i) is slice else ""
+        raise TypeError(f"sample indices of {where} must be integers (int or a numpy integer), "
+                        f"not {type(i).__name__}{hint}") from None
+    j = k + n if k < 0 else k
+    if not 0 <= j < n:
+        valid = f"{-n}..{n - 1}" if n else "none"
+        raise IndexError(f"sample index {k} out of range for {where} ({n} samples; valid "
+                         f"indices: {valid})")
+    return j
+
 
 INDEX_MAGIC = b"SHARDIDX"
 INDEX_END = b"SHIDXEND"
@@ -731,14 +755,15 @@ class ShardReader:
         )
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        """Sample ``i`` as ``{"__key__": key, field: bytes, ...}``.
+        """Sample ``i`` as ``{"__key__": key, field: bytes, ...}`` (``i`` taken as a list
+        takes it: :func:`list_position`).
 
         Raises:
+            TypeError, IndexError: as a list's.
             ChecksumMismatchError: a field failed its checksum.
             ShardTruncatedError, ShardIOError: the bytes could not be read.
         """
-        if not 0 <= i < len(self.index):
-            raise IndexError(f"sample {i} out of range for shard {self.path} ({len(self)} samples)")
+        i = list_position(i, len(self.index), f"shard {self.path}")
         start, end = self.index.span(i)
         return self._decode(i, start, *self._span(start, end))
 
