@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from shardio import sharedbytes as sb
 from shardio._tree import Area, plan_collate, plan_tree, read_header, read_tree
+from shardio.errors import UsageError
 
 
 def roundtrip(plan, step=3):  # type: ignore[no-untyped-def]
@@ -342,3 +345,41 @@ def test_arrays_of_different_dtypes_stack_as_torch_stack_does() -> None:
     for odd in (np.arange(3, dtype=">f4"), np.array(["ab", "cd", "ef"])):
         out = roundtrip(plan_collate([odd, odd.copy()]))
         assert type(out) is list and all(np.array_equal(x, odd) for x in out)
+
+
+@dataclasses.dataclass
+class _Node:
+    value: int
+    next: _Node | None = None
+
+
+def test_limits_of_a_batch_written_as_a_tree() -> None:
+    """What README's "Limits of writing a batch as a tree" says: aliases come back as copies
+    (ring fields excepted: referenced where they lie), channels_last comes back contiguous, a
+    dict or list inside itself is a UsageError, a dataclass cycle is pickled and kept."""
+    a = np.arange(10)
+    t = torch.arange(12.0)
+    out = roundtrip(plan_tree({"x": a, "y": a, "t": t, "v": t[2:5]}))
+    assert out["x"] is not out["y"] and not np.shares_memory(out["x"], out["y"])
+    assert out["y"].tolist() == a.tolist() and out["v"].tolist() == [2.0, 3.0, 4.0]
+    assert not np.shares_memory(out["t"].numpy(), out["v"].numpy())
+    cl = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    back = roundtrip(plan_tree({"cl": cl}))["cl"]
+    assert torch.equal(back, cl) and back.is_contiguous()
+    assert not back.is_contiguous(memory_format=torch.channels_last)
+    d: dict[str, Any] = {"a": 1}
+    d["self"] = d
+    items: list[Any] = [1]
+    items.append(items)
+    for tree in (d, items):
+        with pytest.raises(UsageError, match="refers to itself"):
+            plan_tree(tree)
+    node = _Node(1)
+    node.next = node
+    got = roundtrip(plan_tree({"n": node, "arr": np.ones(3)}))["n"]
+    assert type(got) is _Node and got.next is got
+    buf, area, cut = _area_with([b"\x07" * 5000])
+    plan = plan_tree({"a": cut[0], "b": cut[0]}, area)
+    assert sorted(plan.placed.values()) == [area.start, area.start]
+    out = read_tree(_write_in_place(plan, buf), None)
+    assert np.shares_memory(out["a"], out["b"]) and bytes(out["b"]) == b"\x07" * 5000
