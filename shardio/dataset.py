@@ -666,9 +666,10 @@ def _ids_at(order: EpochOrder, positions: np.ndarray) -> np.ndarray:
 def zero_copy_collate(batch: list[Any]) -> Any:
     """torch's ``default_collate`` for ``ShardDataset(zero_copy=True)`` under DataLoader: a
     field that arrives as a read-only ``uint8`` array viewing shared memory (an arena chunk,
-    or under ``ShardLoader`` the worker's ring) stays a list per field, as a ``bytes`` field does (``default_collate`` would try to stack them into one
-    tensor, which fails when their sizes differ); everything else is collated as
-    ``default_collate`` does.  Pass it as ``DataLoader(..., collate_fn=zero_copy_collate)``."""
+    or under ``ShardLoader`` the worker's ring) stays a list per field, as a ``bytes`` field
+    does (``default_collate`` would try to stack them into one tensor, which fails when their
+    sizes differ); everything else is collated as ``default_collate`` does.  Pass it as
+    ``DataLoader(..., collate_fn=zero_copy_collate)`` (or ``ShardLoader``'s)."""
     from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
     global _ZERO_COPY_MAP

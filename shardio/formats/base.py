@@ -83,6 +83,7 @@ def file_ident(st: os.stat_result) -> FileIdent:
     again in place is a new file (new inode), or at least a rewritten one (new mtime)."""
     return (st.st_dev, st.st_ino, st.st_mtime_ns)
 
+
 def list_position(i: Any, n: int, where: str) -> int:
     """Position ``i`` in a sequence of ``n`` samples, taken as a list takes an index: any
     integer (``int``, ``bool``, numpy integers: :func:`operator.index`), negative ones counting
@@ -479,6 +480,11 @@ class ShardReader:
         codec: decompression for fields stored compressed.
         verify: check the per-field checksum of every field read.
         expected_size: byte size the manifest records; a shorter file raises on open.
+        ident: :func:`file_ident` of the file ``index`` was loaded from (None: the first file
+            opened); a descriptor opened later on another file (the shard replaced) reads on
+            only if that file's index, loaded with ``load_index``, is the same
+            (:meth:`ShardIndex.same_layout`), else raises :class:`DatasetChangedError`.
+        load_index: the format's index loader (``shardio.formats.index_loader``).
     """
 
     def __init__(self, path: str, index: ShardIndex, codec: Codec, verify: bool = True,
@@ -528,7 +534,7 @@ class ShardReader:
             st = os.fstat(fd)
             size = st.st_size
             try:
-                self._same_file(file_ident(st))
+                self._check_same_file(file_ident(st))
             except BaseException:
                 os.close(fd)
                 raise
@@ -543,7 +549,7 @@ class ShardReader:
             self._hfd, self._hpid = fd, _PID[0]
         return self._hfd
 
-    def _same_file(self, ident: FileIdent) -> None:
+    def _check_same_file(self, ident: FileIdent) -> None:
         """Check that the file just opened (``ident``) is one ``self.index`` reads: the file it
         was loaded from, or another whose own index says the same (a shard copied back over
         itself, restored from a replica).
