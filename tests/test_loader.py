@@ -1623,7 +1623,7 @@ def test_restarts_count_over_the_loaders_life(text: Path, tmp_path: Path,
     pool every epoch), or after a pool closed on a worker error, earlier restarts vanished."""
     arm = tmp_path / "arm"
     loader = make_loader(ShardDataset(text, transform=_DieWhenArmed(arm)), 4,
-                         collate_fn=keys_collate, persistent_workers=False, **FAST)
+                         collate_fn=keys_collate, persistent_workers=False, timeout=60, **FAST)
     expected = sorted(s["__key__"] for s in ShardDataset(text))
     for epoch in range(3):
         arm.touch()

@@ -226,7 +226,7 @@ def test_signal_while_workers_start_is_saved_and_stops(data: Path, tmp_path: Pat
     old = signal.getsignal(signal.SIGUSR2)
     try:
         with shardio.ShardLoader(shardio.ShardDataset(data, batch_size=8), 8, num_workers=2,
-                                 collate_fn=_keys) as loader:
+                                 collate_fn=_keys, timeout=60) as loader:  # (never a hang)
             loader.save_on_signal(state, signum=signal.SIGUSR2)
             armed.append(True)
             got = list(loader)
@@ -262,7 +262,8 @@ def test_signal_after_the_last_check_is_saved_at_the_end(data: Path, tmp_path: P
     old = signal.getsignal(signal.SIGUSR2)
     try:
         with shardio.ShardLoader(shardio.ShardDataset(data, batch_size=8), 8,
-                                 num_workers=workers, collate_fn=_keys) as loader:
+                                 num_workers=workers, collate_fn=_keys,
+                                 timeout=60 if workers else 0) as loader:
             n = len(loader)
             # The clock is read at each request and each hand-out: the (2n+1)-th reading is
             # the last request's, after the iteration's last check of a pending signal.
@@ -303,7 +304,7 @@ def test_workers_ignore_the_registered_signal(data: Path, tmp_path: Path, starte
     old = signal.getsignal(signal.SIGHUP)
     try:
         with shardio.ShardLoader(shardio.ShardDataset(data, batch_size=4), 4, num_workers=2,
-                                 collate_fn=_keys) as loader:
+                                 collate_fn=_keys, timeout=60) as loader:
             if started == "before":
                 assert sum(1 for _ in loader) > 0  # the workers start (persistent)
                 loader.set_epoch(1)
