@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from dataclasses import dataclass
@@ -404,9 +405,12 @@ class LoaderOptions:
             instead (with a warning).  (A batch still held when a later one is handed out is
             moved out of its ring whatever this is: its pages made private, one copy,
             ``stats()["detached"]``, so that it does not stop the ring.)
-        log_every: log data-wait statistics every this many steps (0: never).
-        warn_window: steps over which persistent data starvation is judged.
-        warn_wait_ratio: warn once when waiting exceeds this multiple of computing.
+        log_every: log data-wait statistics every this many steps (an integer >= 0; 0: never).
+        warn_window: steps over which persistent data starvation is judged (an integer >= 1;
+            each iteration's first step, its start-up, is not judged).
+        warn_wait_ratio: warn when waiting exceeds this multiple of computing over the window
+            (a finite number > 0): once per episode of starvation, again only after it
+            recovered or in a later epoch, and at most once per window.
     """
 
     ring_bytes: int | str = "auto"
@@ -451,3 +455,19 @@ class LoaderOptions:
             raise UsageError(f"start_timeout must be > 0 seconds, got {self.start_timeout}")
         if not 0 < self.max_held_fraction <= 1:
             raise UsageError(f"max_held_fraction must be in (0, 1], got {self.max_held_fraction}")
+        if (isinstance(self.log_every, bool) or not isinstance(self.log_every, numbers.Integral)
+                or self.log_every < 0):
+            raise UsageError(f"log_every must be an integer >= 0 (steps between log lines; 0: "
+                             f"never), got {self.log_every!r}")
+        if (isinstance(self.warn_window, bool)
+                or not isinstance(self.warn_window, numbers.Integral) or self.warn_window < 1):
+            raise UsageError(f"warn_window must be an integer >= 1 (steps), got "
+                             f"{self.warn_window!r}")
+        ratio = self.warn_wait_ratio
+        if (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
+                or not 0 < ratio < math.inf):
+            raise UsageError(f"warn_wait_ratio must be a finite number > 0 (warn when waiting "
+                             f"exceeds this multiple of computing), got {ratio!r}")
+        object.__setattr__(self, "log_every", int(self.log_every))
+        object.__setattr__(self, "warn_window", int(self.warn_window))
+        object.__setattr__(self, "warn_wait_ratio", float(ratio))

@@ -465,8 +465,11 @@ class ShardLoader:
         self._preempt_pending = False
         self.preempted = False
         self._saving = False  # a preemption save is being written (the handler re-entered)
-        # A stop signal came while no iteration ran: the position was saved then, so the next
-        # iteration ends at once (it would deliver what the saved position says is to come).
+        self._signals: set[int] = set()  # handled by save_on_signal: the workers ignore them
+        self._restarts_before = 0  # worker restarts of this loader's closed pools
+        # A stop save happened (while no iteration ran, at an iteration's end, or ending one):
+        # later iterations end at once (they would deliver what the saved position says is to
+        # come), until load_state_dict or save_on_signal.
         self._stop_next = False
         self._pool: WorkerPool | None = None
         self._released: deque[tuple[Any, Any]] = deque()
@@ -518,7 +521,7 @@ class ShardLoader:
                                         if o.ring_bytes == "auto" else o.ring_bytes),
                             shm_dir=o.shm_dir, cpus=self._cpus(), poll_interval=o.poll_interval,
                             max_restarts=o.max_restarts, start_timeout=o.start_timeout,
-                            timeout=self.timeout),
+                            timeout=self.timeout, ignore_signals=tuple(self._signals)),
             )
             pool.start()  # closes itself if it fails: keep no half-started pool around
             pool.make_room = _weakly(self._make_room, False)
@@ -564,15 +567,29 @@ class ShardLoader:
         written to ``path`` (JSON, atomically) and/or passed to ``callback``; with ``stop=True``
         the running iteration then ends, so the loop can save the model and exit, and the next
         job resumes with ``load_state_dict(json.load(open(path)))``, every sample exactly once.
-        Workers (and the stager) ignore the signal.  Call from the main thread.
+
+        An iteration counts as running from its first ``next()`` (while it starts its workers
+        too) to its end: a signal that comes after its last batch boundary is saved as it ends.
+        After a stop save, every later iteration ends at once (what it would deliver comes
+        after the saved position) until :meth:`load_state_dict` or another
+        ``save_on_signal``.  The workers ignore ``signum`` (those running now from their next
+        epoch; the stager ignores SIGUSR1 and SIGUSR2), and the handler saves only in the
+        process that called this: a forked child that gets the signal writes nothing.  Call
+        from the main thread.
 
         Raises:
-            UsageError: neither ``path`` nor ``callback`` given, or ``path`` in a directory that
-                does not exist or cannot be written (found now, not when the signal comes).
+            UsageError: neither ``path`` nor ``callback`` given, ``path`` is a directory (or
+                ends with ``/``), or its directory does not exist or cannot be written (found
+                now, not when the signal comes).
         """
         if path is None and callback is None:
             raise UsageError("save_on_signal needs path= (a JSON file) or callback=")
         if path is not None:
+            name = os.fspath(path)
+            if name.endswith(("/", os.sep)) or os.path.isdir(name):
+                raise UsageError(f"save_on_signal: {name!r} is a directory; pass the path of "
+                                 f"the JSON file to write, e.g. "
+                                 f"{os.path.join(name, 'loader.json')!r}")
             folder = os.path.dirname(os.path.abspath(os.fspath(path)))
             if not os.path.isdir(folder):
                 raise UsageError(f"save_on_signal: the folder of {os.fspath(path)!r} does not "
@@ -580,18 +597,30 @@ class ShardLoader:
             if not os.access(folder, os.W_OK | os.X_OK):
                 raise UsageError(f"save_on_signal: cannot write in {folder}, the folder of "
                                  f"{os.fspath(path)!r}; choose a writable path")
+        owner = os.getpid()
         self._preempt = (None if path is None else os.fspath(path), callback, stop)
         self._preempt_pending = False
         self._stop_next = False
 
         def handler(signo: int, frame: Any) -> None:
+            if os.getpid() != owner:
+                # A forked child (a worker before it ignores the signal, or any other fork of
+                # this process) holds a stale copy of this loader: the position is main's.
+                return
+            if self._saving:  # a second signal while the first one's save runs: the same
+                return
             if self._iterating:
-                self._preempt_pending = True
-            elif not self._saving:  # (a second signal while the first one's save runs: the same)
+                self._preempt_pending = True  # saved at the next batch boundary, or the end
+            else:
                 self._save_preempted()
-                self._stop_next = stop
+                self._stop_next = self._stop_next or stop
 
         signal.signal(signum, handler)
+        # Workers ignore it: those started from now on at once, running ones from their next
+        # epoch (see WorkerPool.ignore_signals).
+        self._signals.add(int(signum))
+        if self._pool is not None:
+            self._pool.ignore_signals = tuple(self._signals)
 
     def _save_preempted(self) -> None:
         self._preempt_pending = False
@@ -641,7 +670,7 @@ class ShardLoader:
                 warnings.warn(
                     f"a batch of {len(msg.view)} bytes does not fit the {self.ring_bytes} byte "
                     "shared-memory ring; such batches are copied through a pipe (slower): raise "
-                    "ring_bytes", RuntimeWarning, stacklevel=3)
+                    "ring_bytes", RuntimeWarning, stacklevel=4)
             self._stats.copied_out += 1
             return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views)
         # Batches of this ring the loop still holds (not those received ahead of their turn,
@@ -655,7 +684,7 @@ class ShardLoader:
                     "the training loop holds on to so many batches that the shared-memory ring "
                     "would fill; shardio copies batches out of the ring while it does (slower). "
                     "Drop references to old batches, or raise ring_bytes", RuntimeWarning,
-                    stacklevel=3)
+                    stacklevel=4)
             self._stats.copied_out += 1
             if spilled:
                 return read_tree(np.frombuffer(msg.view, dtype=np.uint8), torch.from_numpy, views)
@@ -745,68 +774,83 @@ class ShardLoader:
                                if ds.options.order == "node" else None)}
 
     def __iter__(self) -> Iterator[Any]:
-        if self._stop_next:
-            # The preemption signal came between iterations and its save recorded the position
-            # from which this iteration would deliver: it ends at once (exactly once on resume).
-            log.warning("preemption: the loader position was saved before this iteration; it "
-                        "ends at once (check loader.preempted and exit)")
-            return
-        if self.num_workers == 0:
-            yield from self._iter_here()
-            return
+        # Marked running before anything else: from here on a preemption signal is left pending
+        # for a batch boundary of this iteration (or its end), never saved by the handler
+        # behind its back while it starts its workers.  (The token: a superseded iteration
+        # must not clear a newer one's mark.)
+        self._iterating = token = object()
+        try:
+            if self._stop_next:
+                # A stop signal was saved before this iteration (between iterations, or at the
+                # end of the last one), recording the position from which it would deliver: it
+                # ends at once (exactly once on resume).
+                log.warning("preemption: the loader position was saved before this iteration; "
+                            "it ends at once (check loader.preempted and exit)")
+                return
+            if self.num_workers == 0:
+                yield from self._iter_here(token)
+            else:
+                yield from self._iter_pool(token)
+        finally:
+            if self._iterating is token:
+                if self.num_workers and not self.persistent_workers:
+                    self.close()  # as a DataLoader's iterator stops its workers
+                self._iterating = None
+                # A signal after this iteration's last check (it was running, so the handler
+                # left it pending) is saved now; after this, the handler saves by itself.
+                if self._preempt_pending:
+                    self._save_preempted()
+                    self._stop_next = self._stop_next or self._preempt[2]
+
+    def _iter_pool(self, token: object) -> Iterator[Any]:
+        """The iteration with worker processes (``num_workers > 0``)."""
         pool = self._ensure_pool()
         steps = range(self._num_steps(self._plan()))
         spec = self._spec(pool.num_workers)
         self._begin_epoch()
         self._detach_events = 0
-        self._stats.restarts = pool.restarts
+        pool.ignore_signals = tuple(self._signals)  # (registered since the pool started)
+        self._count_restarts(pool)
         it = pool.run(spec, steps)
-        self._iterating = token = object()  # a superseded iteration must not clear a newer one's
-        try:
-            while True:
-                if self._iterating is not token:
-                    # (checked here too: with persistent_workers=False the newer iteration may
-                    # have closed the pool, whose own check then said "the pool is closed")
-                    raise UsageError(
-                        "this iterator was superseded by a newer iter(loader) (each one "
-                        "starts a new epoch); iterate one at a time")
-                self._drain_releases()
-                if self._preempt_pending and self._preempt_stop():
+        while True:
+            if self._iterating is not token:
+                # (checked here too: with persistent_workers=False the newer iteration may
+                # have closed the pool, whose own check then said "the pool is closed")
+                raise UsageError(
+                    "this iterator was superseded by a newer iter(loader) (each one "
+                    "starts a new epoch); iterate one at a time")
+            self._drain_releases()
+            if self._preempt_pending and self._preempt_stop():
+                return
+            started = self._stats.begin_wait()
+            try:
+                _step, ring, msg = next(it)
+            except StopIteration:
+                break
+            except (WorkerCrashedError, WorkerTimeoutError, ShmSpaceError):
+                # The pool lost a worker for good, one hangs, or its rings did not fit: a
+                # later iteration starts a fresh one.
+                self.close()
+                raise
+            if self._preempt_pending:  # arrived while waiting: save before this batch
+                if self._preempt[2]:  # stop: not handed out (the resume redoes it)
+                    WorkerPool._discard(ring, msg)
+                    self._preempt_stop()
                     return
-                started = self._stats.begin_wait()
-                try:
-                    _step, ring, msg = next(it)
-                except StopIteration:
-                    break
-                except (WorkerCrashedError, WorkerTimeoutError, ShmSpaceError):
-                    # The pool lost a worker for good, one hangs, or its rings did not fit: a
-                    # later iteration starts a fresh one.
-                    self._stats.restarts = pool.restarts
-                    self.close()
-                    raise
-                if self._preempt_pending:  # arrived while waiting: save before this batch
-                    if self._preempt[2]:  # stop: not handed out (the resume redoes it)
-                        WorkerPool._discard(ring, msg)
-                        self._preempt_stop()
-                        return
-                    self._save_preempted()  # and go on: the batch is handed out as usual
-                stages = read_header(msg.view)[2]
-                batch = self._materialize(ring, msg)
-                del msg
-                if self.pin_memory:
-                    batch = _pin(batch)
-                self._delivered += 1
-                self._stats.restarts = pool.restarts
-                self._stats.end_wait(started, stages)
-                yield batch
-        finally:
-            if self._iterating is token:
-                self._iterating = None
-                if not self.persistent_workers:
-                    self.close()  # as a DataLoader's iterator stops its workers
+                self._save_preempted()  # and go on: the batch is handed out as usual
+            stages = read_header(msg.view)[2]
+            batch = self._materialize(ring, msg)
+            del msg
+            if self.pin_memory:
+                batch = _pin(batch)
+            self._delivered += 1
+            self._count_restarts(pool)
+            self._stats.end_wait(started, stages)
+            yield batch
+        self._count_restarts(pool)
         self._end_epoch()
 
-    def _iter_here(self) -> Iterator[Any]:
+    def _iter_here(self, token: object) -> Iterator[Any]:
         """``num_workers=0``: each batch made in this process when the loop asks for it, as
         DataLoader's ``num_workers=0`` does (a breakpoint in a transform stops the loop; its
         exceptions arrive as they are).  The same batches, and the same random draws, as with
@@ -817,49 +861,44 @@ class ShardLoader:
         job = _Job(ds, self.collate_fn, in_process=True)
         keep = ds.reader.arena  # the job reads into its own memory; the dataset's is put back
         self._begin_epoch()
-        self._iterating = token = object()
-        try:
-            for step in range(self._num_steps(self._plan())):
-                if self._iterating is not token:
-                    raise UsageError(
-                        "this iterator was superseded by a newer iter(loader) (each one "
-                        "restarts the epoch from the loader's position): iterate one at a time")
-                if self._preempt_pending and self._preempt_stop():
-                    return
-                started = self._stats.begin_wait()
-                states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-                try:
-                    if step == 0:
-                        job.begin(self._spec(1))
-                    else:
-                        ds.reader.set_arena(job.private if views else None)
-                    out, times = job.produce(step)
-                    t0 = time.perf_counter()
-                    buf = np.empty(out.nbytes, dtype=np.uint8)
-                    out.write(memoryview(buf), step, times)
-                    del out
-                finally:
-                    ds.reader.set_arena(keep)
-                    torch.set_rng_state(states[0])
-                    random.setstate(states[1])
-                    np.random.set_state(states[2])
-                times[4] = time.perf_counter() - t0
-                times[5] += times[4]
-                batch = read_tree(buf, torch.from_numpy, views)
-                del buf
-                if self.pin_memory:
-                    batch = _pin(batch)
-                self._delivered += 1
-                self._stats.end_wait(started, dict(zip(STAGES, times)))
-                yield batch
-            # A signal that came during the last step is saved now, as the loop with workers
-            # saves it when it asks for the batch after the last (the end of the epoch).
+        for step in range(self._num_steps(self._plan())):
+            if self._iterating is not token:
+                raise UsageError(
+                    "this iterator was superseded by a newer iter(loader) (each one "
+                    "restarts the epoch from the loader's position): iterate one at a time")
             if self._preempt_pending and self._preempt_stop():
                 return
-            self._stats.begin_wait()  # the last step's compute ends here (as with workers)
-        finally:
-            if self._iterating is token:
-                self._iterating = None
+            started = self._stats.begin_wait()
+            states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+            try:
+                if step == 0:
+                    job.begin(self._spec(1))
+                else:
+                    ds.reader.set_arena(job.private if views else None)
+                out, times = job.produce(step)
+                t0 = time.perf_counter()
+                buf = np.empty(out.nbytes, dtype=np.uint8)
+                out.write(memoryview(buf), step, times)
+                del out
+            finally:
+                ds.reader.set_arena(keep)
+                torch.set_rng_state(states[0])
+                random.setstate(states[1])
+                np.random.set_state(states[2])
+            times[4] = time.perf_counter() - t0
+            times[5] += times[4]
+            batch = read_tree(buf, torch.from_numpy, views)
+            del buf
+            if self.pin_memory:
+                batch = _pin(batch)
+            self._delivered += 1
+            self._stats.end_wait(started, dict(zip(STAGES, times)))
+            yield batch
+        # A signal that came during the last step is saved now, as the loop with workers
+        # saves it when it asks for the batch after the last (the end of the epoch).
+        if self._preempt_pending and self._preempt_stop():
+            return
+        self._stats.begin_wait()  # the last step's compute ends here (as with workers)
         self._end_epoch()
 
     def _begin_epoch(self) -> None:
@@ -878,10 +917,16 @@ class ShardLoader:
         ds._run_cursor, ds._finished = ds._cursor, True  # what ds.state_dict(batches=) counts from
         ds._cursor = 0
 
+    def _count_restarts(self, pool: WorkerPool) -> None:
+        """``stats()["restarts"]``: over the loader's life (its closed pools' too)."""
+        self._stats.restarts = self._restarts_before + pool.restarts
+
     def _preempt_stop(self) -> bool:
-        """Save the position; True when the iteration must end (``stop=True``)."""
+        """Save the position; True when the iteration must end (``stop=True``): so do later
+        ones, at once (what they would deliver comes after the saved position)."""
         self._save_preempted()
         if self._preempt[2]:
+            self._stop_next = True
             self.close()  # the undelivered prefetched batches are dropped; resume redoes them
             return True
         return False
@@ -923,9 +968,10 @@ class ShardLoader:
         self._stop_next = False
 
     def stats(self) -> dict[str, Any]:
-        """Data-wait vs compute per step, per-stage worker times, copies, restarts; ``repair``:
-        fault and self-repair events and reads per source (metadata operations, bytes), summed
-        over the workers; ``stage``: the node cache's counters when staging is on."""
+        """Data-wait vs compute per step, per-stage worker times, copies, worker restarts (over
+        the loader's life, its earlier pools' included); ``repair``: fault and self-repair
+        events and reads per source (metadata operations, bytes), summed over the workers;
+        ``stage``: the node cache's counters when staging is on."""
         out = self._stats.summary()
         out.update(self.dataset.io_stats())
         return out
@@ -939,6 +985,8 @@ class ShardLoader:
             # its own close when it is collected (or closed again).
             self._released.clear()
             self._leased.clear()
+            self._restarts_before += pool.restarts
+            self._stats.restarts = self._restarts_before
             pool.close()
 
     def __enter__(self) -> ShardLoader:

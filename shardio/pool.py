@@ -6,9 +6,11 @@ Protocol
     when the ring cannot take a message, see *Spill*).  Commands are tuples tagged with
     :class:`Cmd`, pickled behind an 8-byte little-endian length:
 
-    * ``(Cmd.EPOCH, generation, spec, runs)``: call ``job.begin(spec)`` then, for each step of
+    * ``(Cmd.EPOCH, generation, spec, runs, quiet)``: ignore the signals ``quiet`` (see
+      :attr:`WorkerPool.ignore_signals`), then call ``job.begin(spec)`` and, for each step of
       ``runs`` (``range`` objects, in order), ``job.produce(step)`` and write the resulting
-      message into the ring.  A worker skips a command whose generation is already stale.
+      message into the ring.  A worker skips a command whose generation is already stale
+      (after ignoring its signals).
     * ``(Cmd.RING, capacity, directory)``, sent with the ring's file descriptor
       (``SCM_RIGHTS``): allocate its pages and map it as this worker's ring (see *Ring sizing*).
     * ``(Cmd.STOP,)``: exit.
@@ -247,6 +249,9 @@ class PoolOptions:
     # Seconds main waits for one batch before WorkerTimeoutError (0: for ever); checked every
     # poll_interval.
     timeout: float = 0.0
+    # Signals the workers ignore besides SIGINT, SIGUSR1 and SIGUSR2 (the first value of
+    # WorkerPool.ignore_signals).
+    ignore_signals: tuple[int, ...] = ()
 
 
 class SpilledMessage:
@@ -648,10 +653,20 @@ def _write(plan: Plan, buf: memoryview, step: int, times: list[float], kind: int
         write_times(buf, done)
 
 
+def _ignore_signals(signums: Iterable[int]) -> None:
+    """In a worker: ignore ``signums`` (one that cannot be ignored here is logged)."""
+    for sig in signums:
+        try:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_IGN)
+        except (OSError, ValueError) as exc:
+            log.warning("worker: cannot ignore signal %s: %s", sig, exc)
+
+
 def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any, want: Any,
                  started: Any, index: int, cpus: Sequence[int] | None, parent: int,
                  poll: float, main_ends: Sequence[Any], pdeathsig: bool,
-                 num_workers: int) -> None:
+                 num_workers: int, quiet: Sequence[int] = ()) -> None:
     started[index] = os.getpid()  # out of fork: see "Stuck start" in the module docstring
     if pdeathsig:  # forked by main's main thread (see "Failure handling")
         set_pdeathsig(signal.SIGKILL)
@@ -666,9 +681,9 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
             c.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is main's to handle
     # So are the batch system's warnings (Slurm --signal=USR1@120 reaches every process of the
-    # step; their default action would kill the worker).
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
+    # step; their default action would kill the worker), and whatever signals the owner handles
+    # in main (ShardLoader.save_on_signal's): a handler inherited through fork would run here.
+    _ignore_signals((signal.SIGUSR1, signal.SIGUSR2, *quiet))
     # The cyclic GC would otherwise traverse every object inherited from main (~10^5 in a torch
     # process): ~0.1 s per full collection, and a write to each object's header, so a copy of
     # every page of main's heap.  Frozen, they are never traversed (nor collected) here.
@@ -700,8 +715,9 @@ def _worker_main(job: BatchJob, ring: Ring | None, ctl: int, data: Any, gen: Any
                 out.attach(cmd[1], cmd[2])
                 cmd = None
                 continue
-            _, generation, spec, runs = cmd
+            _, generation, spec, runs, quiet = cmd
             cmd = None
+            _ignore_signals(quiet)  # (signals main handles since this worker started)
             if gen.value != generation:  # superseded before it started: not worth a begin()
                 continue
             step = runs[0][0] if runs else -1
@@ -785,6 +801,9 @@ class WorkerPool:
         self._workers: list[_Worker] = []
         self._closed = False
         self.restarts = 0
+        # Signals the workers ignore (besides SIGINT, SIGUSR1, SIGUSR2): the owner may change
+        # it between runs; new workers get it at their start, running ones with the next epoch.
+        self.ignore_signals: tuple[int, ...] = tuple(options.ignore_signals)
         # Called with a ring whose worker waits for space while main waits for its next
         # message; True if it gave space back (see *Spill*).
         self.make_room: Callable[[Ring], bool] | None = None
@@ -848,7 +867,7 @@ class WorkerPool:
             target=_worker_main, name=f"shardio-worker-{w.index}", daemon=True,
             args=(self.job, w.ring, ctl_recv, data_send, self._gen, self._want, self._started,
                   w.index, self.options.cpus, os.getpid(), self.options.poll_interval, main_ends,
-                  pdeathsig, self.options.num_workers),
+                  pdeathsig, self.options.num_workers, self.ignore_signals),
         )
         self._started[w.index] = 0
         w.spawned = time.monotonic()
@@ -907,7 +926,8 @@ class WorkerPool:
                 w.outbox.append(w.ring_frame)  # not a command of the old epoch: still owed
             if w.proc.exitcode is not None:  # died while idle
                 self._restart(w, generation, spec, todo)
-            elif not self._post(w, (Cmd.EPOCH, generation, spec, todo.runs())):
+            elif not self._post(w, (Cmd.EPOCH, generation, spec, todo.runs(),
+                                    self.ignore_signals)):
                 self._restart(w, generation, spec, todo)  # its end is gone: it is dying
         for k, step in enumerate(steps):
             w, todo = self._workers[k % W], todos[k % W]
@@ -1139,7 +1159,8 @@ class WorkerPool:
         if w.ring is not None:
             w.ring.reset_producer()
         self._spawn(w)
-        self._post(w, (Cmd.EPOCH, generation, spec, redo))  # failing, it is noticed like a death
+        # (failing, it is noticed like a death)
+        self._post(w, (Cmd.EPOCH, generation, spec, redo, self.ignore_signals))
 
     def close(self) -> None:
         """Stop workers (join → terminate → kill, bounded) and release the rings.

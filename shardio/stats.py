@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,15 +25,24 @@ log = logging.getLogger("shardio.loader")
 class LoaderStats:
     """Running totals plus a sliding window for the persistent-starvation warning.
 
+    The warning looks at the last ``window`` steps whose wait and compute were both measured:
+    each iteration's first step (its wait is start-up: forking workers, filling the pipeline)
+    and a step whose compute was never measured (the last one of an iteration the loop left)
+    are left out.  It fires once per episode of starvation: again only after the ratio came
+    back under ``warn_ratio`` or in a later epoch (iteration), and at most once per
+    ``window`` measured steps.
+
     Args:
         log_every: log a summary line every this many steps (0: never).
         window: steps in the sliding window used for the warning.
         warn_ratio: warn when windowed wait exceeds ``warn_ratio`` x windowed compute.
+        clock: seconds, monotonic (``time.perf_counter``; tests pass a fake one).
     """
 
     log_every: int = 0
     window: int = 50
     warn_ratio: float = 1.0
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
     steps: int = 0
     wait_s: float = 0.0
     compute_s: float = 0.0
@@ -41,34 +51,43 @@ class LoaderStats:
     spilled: int = 0
     detached: int = 0
     restarts: int = 0
+    # (wait, compute) of the last ``window`` measured steps.
     _recent: deque[tuple[float, float]] = field(default_factory=deque, repr=False)
-    _warned: bool = field(default=False, repr=False)
+    _measured: int = field(default=0, repr=False)  # steps that entered _recent
+    _warned_at: int | None = field(default=None, repr=False)  # _measured at the last warning
+    _starved: bool = field(default=False, repr=False)  # in a warned episode of starvation
+    _first: bool = field(default=True, repr=False)  # the next step is an iteration's first
+    _pending: float | None = field(default=None, repr=False)  # the wait of the step handed out
     _last_return: float | None = field(default=None, repr=False)
 
     def begin_wait(self) -> float:
         """The loop asks for the next batch: the step that began when the last batch was handed
         out (the user's compute) ends now, the last step of an epoch included."""
-        now = time.perf_counter()
+        now = self.clock()
         if self._last_return is not None:
             compute = now - self._last_return
             self._last_return = None
             self.compute_s += compute
-            if self._recent:
-                self._recent[-1] = (self._recent[-1][0], compute)
-            self._check_starved()
+            if self._pending is not None:
+                self._recent.append((self._pending, compute))
+                self._pending = None
+                if len(self._recent) > self.window:
+                    self._recent.popleft()
+                self._measured += 1
+                self._check_starved()
         return now
 
     def end_wait(self, started: float, stages: dict[str, float]) -> None:
         """A batch is handed out: its wait ends (its compute is known at the next request)."""
-        now = time.perf_counter()
+        now = self.clock()
         wait = now - started
         self.steps += 1
         self.wait_s += wait
         for k, v in stages.items():
             self.stage_s[k] = self.stage_s.get(k, 0.0) + v
-        self._recent.append((wait, 0.0))
-        if len(self._recent) > self.window:
-            self._recent.popleft()
+        # The first step's wait is the iteration's start-up: not judged (still in wait_s).
+        self._pending = None if self._first else wait
+        self._first = False
         self._last_return = now
         if self.log_every and self.steps % self.log_every == 0:
             s = self.summary()
@@ -79,24 +98,37 @@ class LoaderStats:
 
     def begin_epoch(self) -> None:
         """A new iteration starts: time since the last batch of an earlier (possibly abandoned)
-        iteration is not a training step."""
+        iteration is not a training step (that step is left out of the warning's window), its
+        first step is start-up, and starvation may be warned of again."""
         self._last_return = None
+        self._pending = None
+        self._first = True
+        self._starved = False
 
     def epoch_end(self) -> None:
         self._last_return = None
+        self._pending = None
 
     def _check_starved(self) -> None:
-        """Warn once when, over a full window of steps, waiting exceeded computing."""
-        if len(self._recent) == self.window and not self._warned:
-            w = sum(r[0] for r in self._recent)
-            c = sum(r[1] for r in self._recent)
-            if c > 0 and w > self.warn_ratio * c:
-                self._warned = True
-                log.warning(
-                    "the training loop waited for data %.0f%% of the last %d steps (%.3fs wait vs "
-                    "%.3fs compute per step): add workers (num_workers), stage data to local NVMe, "
-                    "or check stats() for the slowest worker stage", 100 * w / (w + c),
-                    self.window, w / self.window, c / self.window)
+        """Warn when, over a full window of measured steps, waiting exceeded ``warn_ratio`` x
+        computing: once per episode, at most once per window."""
+        if len(self._recent) < self.window:
+            return
+        w = sum(r[0] for r in self._recent)
+        c = sum(r[1] for r in self._recent)
+        if not (w > 0 and w > self.warn_ratio * c):
+            self._starved = False  # recovered: a new episode may be warned of
+            return
+        if self._starved or (self._warned_at is not None
+                             and self._measured - self._warned_at < self.window):
+            return
+        self._starved = True
+        self._warned_at = self._measured
+        log.warning(
+            "the training loop waited for data %.0f%% of the last %d steps (%.3fs wait vs "
+            "%.3fs compute per step): add workers (num_workers), stage data to local NVMe, "
+            "or check stats() for the slowest worker stage", 100 * w / (w + c),
+            self.window, w / self.window, c / self.window)
 
     def summary(self) -> dict[str, Any]:
         n = max(self.steps, 1)

@@ -46,6 +46,7 @@ from shardio.errors import (
     WorkerCrashedError,
     WorkerError,
 )
+from shardio.stats import LoaderStats
 from tests.test_dataset import (
     check_epoch_cover,
     epoch_keys,
@@ -1500,6 +1501,136 @@ def test_stats_slow_transform_warns(text: Path, make_loader: Callable[..., Shard
     warned = [r for r in caplog.records if "waited for data" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     assert "num_workers" in warned[0].getMessage()
+
+
+class _FakeClock:
+    """A LoaderStats clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _stats_run(stats: LoaderStats, clock: _FakeClock, steps: list[tuple[float, float | None]],
+               caplog: pytest.LogCaptureFixture) -> list[int]:
+    """One iteration of ``(wait, compute)`` steps as the loader accounts them (compute None:
+    the loop left the iteration during that step); the count of warnings once each step's
+    compute is measured (at the next request)."""
+    counts = []
+    stats.begin_epoch()
+    for i, (wait, compute) in enumerate(steps):
+        started = stats.begin_wait()
+        if i:
+            counts.append(len(_starved_warnings(caplog)))
+        clock.t += wait
+        stats.end_wait(started, {})
+        if compute is None:
+            return counts
+        clock.t += compute
+    stats.begin_wait()  # the loop asks for the batch after the last
+    counts.append(len(_starved_warnings(caplog)))
+    stats.epoch_end()
+    return counts
+
+
+def _starved_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "waited for data" in r.getMessage()]
+
+
+def test_starvation_warning_leaves_out_start_up(caplog: pytest.LogCaptureFixture) -> None:
+    """Each iteration's first wait (forking workers, filling the pipeline) counted as
+    starvation: a loop that kept pace warned as soon as the window filled."""
+    clock = _FakeClock()
+    stats = LoaderStats(window=4, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="shardio.loader"):
+        for _epoch in range(2):
+            _stats_run(stats, clock, [(30.0, 1.0)] + [(0.1, 1.0)] * 4, caplog)
+    assert _starved_warnings(caplog) == []
+    assert stats.steps == 10 and stats.wait_s == pytest.approx(60.8)  # still counted
+
+
+def test_starvation_warning_once_per_episode(caplog: pytest.LogCaptureFixture) -> None:
+    """Once per episode of starvation, again after a recovery or in a later epoch, and at
+    most once per window; before, it warned once for the loader's whole life."""
+    clock = _FakeClock()
+    stats = LoaderStats(window=3, clock=clock)
+    starved, fine = (1.0, 0.1), (0.1, 1.0)
+    with caplog.at_level(logging.WARNING, logger="shardio.loader"):
+        counts = _stats_run(stats, clock, [fine] + [starved] * 6 + [fine] * 3 + [starved] * 3,
+                            caplog)
+        # (start-up) warned when the window filled, not again in that episode; recovered
+        # (the window's ratio back under 1); warned again once it is starved again
+        assert counts == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2]
+        # A later epoch: a new episode, warned of a window after the last warning.
+        counts = _stats_run(stats, clock, [fine] + [starved] * 4, caplog)
+        assert counts == [2, 2, 3, 3, 3]
+    caplog.clear()
+    stats = LoaderStats(window=3, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="shardio.loader"):
+        # Recovered, and starved again 2 steps after the warning: warned 3 steps after it.
+        counts = _stats_run(stats, clock, [fine] + [(10.0, 1.0)] * 3 + [(0.0, 30.0)]
+                            + [(30.0, 0.0)] * 2, caplog)
+        assert counts == [0, 0, 0, 1, 1, 1, 2]
+
+
+def test_starvation_warning_drops_unmeasured_steps(caplog: pytest.LogCaptureFixture) -> None:
+    """The last step of an iteration the loop left has no compute time: it entered the
+    window as all wait and no compute, and tipped the ratio."""
+    clock = _FakeClock()
+    stats = LoaderStats(window=3, clock=clock)
+    with caplog.at_level(logging.WARNING, logger="shardio.loader"):
+        _stats_run(stats, clock, [(1.0, 2.0), (1.0, 2.0), (1.0, 2.0), (5.0, None)], caplog)
+        _stats_run(stats, clock, [(0.5, 2.0), (1.0, 2.0), (1.0, 2.0)], caplog)
+    assert _starved_warnings(caplog) == []
+    assert list(stats._recent) == [(1.0, 2.0)] * 3
+
+
+@pytest.mark.parametrize("option, value", [
+    ("log_every", -1), ("log_every", 2.5), ("log_every", True), ("warn_window", 0),
+    ("warn_window", 1.5), ("warn_window", None), ("warn_wait_ratio", 0),
+    ("warn_wait_ratio", -1.0), ("warn_wait_ratio", float("inf")), ("warn_wait_ratio", float("nan")),
+    ("warn_wait_ratio", "2")])
+def test_stats_options_are_checked(text: Path, option: str, value: Any) -> None:
+    """A bad value failed late (warn_window=0: ZeroDivisionError in the warning, a string
+    ratio: TypeError mid-epoch) or silently never warned (a negative or NaN ratio)."""
+    with pytest.raises(UsageError, match=f"^{option} must be"):
+        LoaderOptions(**{option: value})
+    with pytest.raises(UsageError, match=f"^{option} must be"):
+        ShardLoader(ShardDataset(text), 2, **{option: value})
+    ok = LoaderOptions(log_every=np.int64(5), warn_window=3, warn_wait_ratio=2)
+    assert (ok.log_every, ok.warn_window, ok.warn_wait_ratio) == (5, 3, 2.0)
+
+
+class _DieWhenArmed:
+    """Worker transform: the first worker to find the ``arm`` file removes it and dies."""
+
+    def __init__(self, arm: Path) -> None:
+        self.arm = arm
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        try:
+            os.unlink(self.arm)
+        except FileNotFoundError:
+            return sample
+        os._exit(7)
+
+
+def test_restarts_count_over_the_loaders_life(text: Path, tmp_path: Path,
+                                             make_loader: Callable[..., ShardLoader]) -> None:
+    """stats()["restarts"] was the current pool's count: with persistent_workers=False (a new
+    pool every epoch), or after a pool closed on a worker error, earlier restarts vanished."""
+    arm = tmp_path / "arm"
+    loader = make_loader(ShardDataset(text, transform=_DieWhenArmed(arm)), 4,
+                         collate_fn=keys_collate, persistent_workers=False, timeout=60, **FAST)
+    expected = sorted(s["__key__"] for s in ShardDataset(text))
+    for epoch in range(3):
+        arm.touch()
+        loader.set_epoch(epoch)
+        got = [k for b in loader for k in b]
+        assert not arm.exists() and sorted(got) == expected
+        assert loader.stats()["restarts"] == epoch + 1
 
 
 def test_loaders_leave_no_descriptor_behind(

@@ -204,3 +204,164 @@ def test_loader_pins_workers_with_cpus_auto(data: Path) -> None:
         [pid] = loader._pool.pids()
         pinned = os.sched_getaffinity(pid)
     assert len(pinned) == 1 and pinned <= set(discover_cpus())
+
+
+def _keys(batch: list) -> list:
+    return [s["__key__"] for s in batch]
+
+
+def test_signal_while_workers_start_is_saved_and_stops(data: Path, tmp_path: Path) -> None:
+    """A signal that came while the first next() forked the workers found no iteration
+    running: it was saved at once (position 0) and the iteration then delivered the whole
+    epoch the save says is still to come (twice across the resume)."""
+    state = tmp_path / "state.json"
+    me, armed = os.getpid(), []
+
+    def before_fork() -> None:  # in the training process, just before a worker's fork
+        if armed and os.getpid() == me:
+            armed.clear()
+            signal.raise_signal(signal.SIGUSR2)  # (its handler runs before this returns)
+
+    os.register_at_fork(before=before_fork)  # (cannot be removed: inert once disarmed)
+    old = signal.getsignal(signal.SIGUSR2)
+    try:
+        with shardio.ShardLoader(shardio.ShardDataset(data, batch_size=8), 8, num_workers=2,
+                                 collate_fn=_keys, timeout=60) as loader:  # (never a hang)
+            loader.save_on_signal(state, signum=signal.SIGUSR2)
+            armed.append(True)
+            got = list(loader)
+            assert not armed, "no worker was forked"
+            assert got == [] and loader.preempted
+            assert json.loads(state.read_text())["cursor"] == 0
+            assert list(loader) == []  # and so does the next one
+    finally:
+        armed.clear()
+        signal.signal(signal.SIGUSR2, old)
+
+
+class _SignalAtCall:
+    """A LoaderStats clock that raises SIGUSR2 at its ``n``-th reading."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls == self.n:
+            signal.raise_signal(signal.SIGUSR2)
+        return float(self.calls)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_signal_after_the_last_check_is_saved_at_the_end(data: Path, tmp_path: Path,
+                                                         workers: int) -> None:
+    """A signal after the iteration's last look at it (when the loop asks for the batch after
+    the last) stayed pending past the end of the epoch: loader.preempted was not set when the
+    loop checked it, and nothing was saved until some later iteration began."""
+    state = tmp_path / "state.json"
+    old = signal.getsignal(signal.SIGUSR2)
+    try:
+        with shardio.ShardLoader(shardio.ShardDataset(data, batch_size=8), 8,
+                                 num_workers=workers, collate_fn=_keys,
+                                 timeout=60 if workers else 0) as loader:
+            n = len(loader)
+            # The clock is read at each request and each hand-out: the (2n+1)-th reading is
+            # the last request's, after the iteration's last check of a pending signal.
+            loader._stats.clock = _SignalAtCall(2 * n + 1)
+            loader.save_on_signal(state, signum=signal.SIGUSR2)
+            got = [k for b in loader for k in b]
+            assert len(got) == loader.dataset.num_samples  # the whole epoch was handed out
+            assert loader.preempted and state.exists()
+            saved = json.loads(state.read_text())
+            assert (saved["epoch"], saved["cursor"]) == (0, loader.dataset.num_samples)
+            loader.set_epoch(1)
+            assert list(loader) == []  # the next iteration ends at once
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+
+
+def _signal_each_worker(loader: shardio.ShardLoader, signum: int) -> list:
+    """One epoch, during which every worker gets ``signum`` (its keys), and one more."""
+    it = iter(loader)
+    got = next(it) + next(it)  # one batch of each worker: both began this epoch
+    pids = loader._pool.pids()
+    for pid in pids:
+        os.kill(pid, signum)
+    time.sleep(0.2)  # (a worker that handles it writes, or dies, by then)
+    got += [k for b in it for k in b]
+    loader.set_epoch(loader.dataset.epoch + 1)
+    assert sum(1 for _ in loader) > 0  # (a worker that died idle is noticed here)
+    assert loader._pool.pids() == pids and loader.stats()["restarts"] == 0
+    return got
+
+
+@pytest.mark.parametrize("started", ["after", "before"])
+def test_workers_ignore_the_registered_signal(data: Path, tmp_path: Path, started: str) -> None:
+    """save_on_signal(signum=SIGHUP): workers forked after the call inherited the loader's
+    handler, and one that got the signal wrote the checkpoint itself (from its stale copy of
+    the loader); workers started before the call were killed by it (and restarted)."""
+    state = tmp_path / "state.json"
+    old = signal.getsignal(signal.SIGHUP)
+    try:
+        with shardio.ShardLoader(shardio.ShardDataset(data, batch_size=4), 4, num_workers=2,
+                                 collate_fn=_keys, timeout=60) as loader:
+            if started == "before":
+                assert sum(1 for _ in loader) > 0  # the workers start (persistent)
+                loader.set_epoch(1)
+            loader.save_on_signal(state, signum=signal.SIGHUP)
+            got = _signal_each_worker(loader, signal.SIGHUP)
+            assert sorted(got) == sorted(s["__key__"] for s in loader.dataset)
+            assert not state.exists() and not loader.preempted
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+def test_the_handler_saves_only_in_its_own_process(data: Path, tmp_path: Path) -> None:
+    """A forked child of the training process (a worker before it ignores the signal, or any
+    other fork) that got the signal ran the inherited handler and wrote the checkpoint."""
+    state = tmp_path / "state.json"
+    saved: list[dict] = []
+    old = signal.getsignal(signal.SIGUSR2)
+    try:
+        loader = shardio.ShardLoader(shardio.ShardDataset(data, batch_size=4), 4, num_workers=1)
+        loader.save_on_signal(state, callback=saved.append, signum=signal.SIGUSR2)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                signal.raise_signal(signal.SIGUSR2)
+                code = 0 if not (state.exists() or saved or loader.preempted) else 3
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child did not exit")
+            time.sleep(0.01)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not state.exists() and not saved and not loader.preempted
+        signal.raise_signal(signal.SIGUSR2)  # in the process that installed it: saved
+        assert state.exists() and len(saved) == 1 and loader.preempted
+        loader.close()
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+
+
+def test_save_on_signal_refuses_a_directory(data: Path, tmp_path: Path) -> None:
+    """A directory (or a path ending with '/') was accepted, and the save failed only when the
+    signal came: the job lost its checkpoint at the time limit."""
+    old = signal.getsignal(signal.SIGUSR2)
+    try:
+        with shardio.ShardLoader(shardio.ShardDataset(data), 4, num_workers=0) as loader:
+            for path in (tmp_path, str(tmp_path), f"{tmp_path}/", f"{tmp_path / 'ckpt'}/"):
+                with pytest.raises(shardio.errors.UsageError,
+                                   match="is a directory; pass the path"):
+                    loader.save_on_signal(path, signum=signal.SIGUSR2)
+            loader.save_on_signal(tmp_path / "ckpt.json", signum=signal.SIGUSR2)  # a file: fine
+    finally:
+        signal.signal(signal.SIGUSR2, old)
