@@ -77,6 +77,34 @@ def test_json_out_in_a_read_only_folder_is_refused(main: Any, tmp_path: Path,
     assert "--json-out" in err and "not writable" in err
 
 
+def test_unwritable_places_are_refused_even_as_root(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The same branches as the test above where it is skipped (root), through a stand-in for
+    the permission answers."""
+    import tempfile
+
+    from benchmarks import _common
+
+    real_access = os.access
+    monkeypatch.setattr(_common.os, "access", lambda *_a, **_k: False)
+    err = usage_error(bench_read.main, ["--quick", "--json-out", str(tmp_path / "x.jsonl")],
+                      capsys)
+    assert "--json-out" in err and "not writable" in err
+    (tmp_path / "old.jsonl").write_text("")
+    err = usage_error(bench_read.main, ["--quick", "--json-out", str(tmp_path / "old.jsonl")],
+                      capsys)
+    assert "exists and is not writable" in err
+    monkeypatch.setattr(_common.os, "access", real_access)
+
+    def refuse(*_a: Any, **_k: Any) -> str:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    err = usage_error(run_all.main, ["--quick", "--out", str(tmp_path / "r")], capsys)
+    assert "--out" in err and "cannot create files in it (Permission denied)" in err
+
+
 @pytest.mark.parametrize("main", SCRIPTS, ids=IDS)
 def test_workdir_that_is_a_file_is_refused(main: Any, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
