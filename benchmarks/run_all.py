@@ -998,10 +998,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"run_all: wrote {write_report(out, plots=not a.no_plots)}", file=err)
         return 0
-    # Both made (and tried) now: a results folder that cannot be written would otherwise
-    # surface only after the first benchmark, a work folder in every script's run.
     if a.timeout is not None and not (0 < a.timeout < float("inf")):
         p.error(f"--timeout {a.timeout}: give a finite number of seconds > 0")
+    # Both made (and tried) now: a results folder that cannot be written would otherwise
+    # surface only after the first benchmark, a work folder in every script's run.
     check_dir(p, a.out, "--out")
     check_dir(p, a.workdir, "--workdir")
     extra: dict[str, list[str]] = {}

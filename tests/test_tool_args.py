@@ -269,9 +269,11 @@ def test_demo_never_empties_a_folder_it_did_not_write(tmp_path: Path,
     err = usage_error(demo.main, ["--out", str(mine)], capsys)
     assert "not empty" in err and "not a previous demo" in err
     assert (mine / "thesis.tex").read_text() == "years of work"
-    (mine / "images").mkdir()  # a folder the demo also writes does not make it the demo's
-    usage_error(demo.main, ["--out", str(mine)], capsys)
-    assert (mine / "thesis.tex").exists()
+    (mine / "thesis.tex").unlink()  # only folders the demo also writes: still not the demo's
+    for name in ("images/class_000", "images/class_001", "dataset"):
+        (mine / name).mkdir(parents=True)
+    assert "make clean" in usage_error(demo.main, ["--out", str(mine)], capsys)
+    assert sorted(os.listdir(mine)) == ["dataset", "images"]
     f = tmp_path / "file"
     f.write_text("x")
     assert "not a directory" in usage_error(demo.main, ["--out", str(f)], capsys)
@@ -288,10 +290,10 @@ def test_demo_out_default_comes_from_the_environment(tmp_path: Path,
     assert str(mine) in err and (mine / "keep").exists()
 
 
-@pytest.mark.parametrize("layout", ["marker", "legacy", "empty", "missing"])
+@pytest.mark.parametrize("layout", ["marker", "empty", "missing"])
 def test_demo_reuses_its_own_output(layout: str, tmp_path: Path) -> None:
-    """A previous demo's folder (marked, or an unmarked one with only the demo's folders) and
-    an empty or missing one are emptied and marked; the demo then starts (make_images)."""
+    """A previous demo's (marked) folder and an empty or missing one are emptied and marked;
+    the demo then starts (make_images)."""
     out = tmp_path / "demo-out"
     if layout != "missing":
         out.mkdir()
@@ -299,9 +301,6 @@ def test_demo_reuses_its_own_output(layout: str, tmp_path: Path) -> None:
         (out / demo.MARKER).write_text("")
         (out / "dataset").mkdir()
         (out / "dataset" / "shard-000000.tar").write_bytes(b"x")
-    elif layout == "legacy":
-        for name in ("images/class_000", "images/class_001", "dataset", "replica"):
-            (out / name).mkdir(parents=True)
     with pytest.raises(WorkStarted):
         demo.main(["--out", str(out)])
     assert sorted(os.listdir(out)) == [demo.MARKER]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import shutil
 import sys
 import time
@@ -25,23 +24,10 @@ import shardio  # noqa: E402
 from tools.make_dataset import make_images  # noqa: E402
 
 # Written into the output folder before anything else: the folder is a demo's to empty again.
+# Nothing else makes a folder the demo's (not even holding only images/ and dataset/: a tree
+# made with tools/make_dataset.py looks like that), so a demo-out/ written before the marker
+# existed is refused too, with the fix (remove it: make clean).
 MARKER = ".shardio-demo"
-# What the demo writes into its folder (one written before MARKER existed holds only these).
-DEMO_ENTRIES = frozenset({"images", "dataset", "node-cache", "replica"})
-
-
-def _is_demo_output(root: str) -> bool:
-    """Whether ``root`` (an existing folder) is a demo's output: it holds :data:`MARKER`, or
-    (a demo from before the marker) only the demo's folders, ``images/`` holding nothing but
-    its ``class_NNN`` folders."""
-    names = set(os.listdir(root))
-    if MARKER in names:
-        return True
-    if not names <= DEMO_ENTRIES or "images" not in names:
-        return False
-    images = os.path.join(root, "images")
-    return os.path.isdir(images) and all(re.fullmatch(r"class_\d{3}", n)
-                                         for n in os.listdir(images))
 
 
 def _prepare_out(p: argparse.ArgumentParser, root: str) -> None:
@@ -49,10 +35,10 @@ def _prepare_out(p: argparse.ArgumentParser, root: str) -> None:
     if os.path.lexists(root) and not os.path.isdir(root):
         p.error(f"--out {root}: exists and is not a directory; name a folder for the demo")
     if os.path.isdir(root) and os.listdir(root):
-        if not _is_demo_output(root):
+        if not os.path.lexists(os.path.join(root, MARKER)):
             p.error(f"--out {root}: folder is not empty and is not a previous demo's output "
                     f"(no {MARKER} file); the demo empties its folder, so name a new or empty "
-                    "one, e.g. --out demo-out")
+                    "one (an older demo's output: remove it, e.g. make clean)")
         for name in os.listdir(root):  # the folder itself stays (it may be a link)
             path = os.path.join(root, name)
             if os.path.isdir(path) and not os.path.islink(path):
