@@ -111,8 +111,9 @@ MIN_FILES = BATCH * (WORKERS - 1) + 1
 # ...and a shard: webdataset deals whole shards to the workers and stops a worker that gets none
 # ("No samples found in dataset; perhaps you have fewer shards than workers").
 MIN_SHARDS = WORKERS
-# An upper bound on a packed sample of the generated tree (JPEG < 40 KiB + tar framing of the
-# jpg and cls members): at --shard-size >= files * this, the whole tree is certainly one shard.
+# An upper bound on a packed sample of the generated tree (JPEGs are drawn below 40 KiB and come
+# out at most ~32 KB; plus the tar framing of the jpg and cls members): a smaller --shard-size
+# may not hold one sample, and at files * this or more the whole tree is certainly one shard.
 MAX_PACKED_SAMPLE = 64 * 1024
 TARGETS = {"raw_vs_smallfiles": 2.0, "raw_vs_webdataset": 4.0, "decode_vs_webdataset": 1.1,
            "rss_growth_pct": 5.0}
@@ -536,8 +537,9 @@ class TooFewShards(Exception):
 def check_sizes(p: argparse.ArgumentParser, files: int, classes: int, shard_size: str) -> None:
     """``bench_read`` and ``bench_loader``: refuse (``p.error``: exit 2) sizes that would stop
     the run or measure one worker: fewer than :data:`MIN_FILES` files, a class count outside
-    ``1..files``, a shard size that is not a size or that certainly packs everything into one
-    shard (the post-pack check, :class:`TooFewShards`, catches the rest)."""
+    ``1..files``, a shard size that is not a size, that may be smaller than one sample, or that
+    certainly packs everything into one shard (the post-pack check, :class:`TooFewShards`,
+    catches the rest)."""
     check_files_classes(p, files, classes, MIN_FILES,
                         f" (one batch of {BATCH} for each of the {WORKERS} workers, plus one)")
     from shardio._fsutil import parse_size
@@ -547,6 +549,10 @@ def check_sizes(p: argparse.ArgumentParser, files: int, classes: int, shard_size
         size = parse_size(shard_size)
     except UsageError as exc:
         p.error(f"--shard-size {shard_size!r}: {exc}")
+    if size < MAX_PACKED_SAMPLE:  # pack refuses a sample larger than a shard, after generating
+        p.error(f"--shard-size {shard_size}: a generated sample takes up to "
+                f"{MAX_PACKED_SAMPLE // 1024}KiB packed; pass --shard-size "
+                f"{MAX_PACKED_SAMPLE // 1024}KiB or more")
     if size >= files * MAX_PACKED_SAMPLE:
         p.error(f"--shard-size {shard_size}: all {files} files would pack into one shard, and "
                 f"the webdataset loaders need at least {MIN_SHARDS} (one per worker); pass "

@@ -173,6 +173,7 @@ def test_stage_refuses_a_workdir_with_a_comma(tmp_path: Path,
     (["--classes", "0"], ["--classes 0", "at least 1"]),
     (["--shard-size", "big"], ["--shard-size 'big'", "256MB"]),
     (["--shard-size", "1.5"], ["--shard-size '1.5'", "unit"]),
+    (["--shard-size", "20KB"], ["--shard-size 20KB", "64KiB or more"]),  # pack: sample too large
     (["--files", "300", "--shard-size", "64MB"], ["one shard", "--shard-size", "or less"]),
     (["--sample-interval", "nan"], ["--sample-interval nan", "> 0"]),
 ])
