@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -76,6 +77,94 @@ def add_output_args(p: argparse.ArgumentParser, quick_help: str) -> None:
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--json-out", default=None, metavar="PATH",
                    help="also write the JSON lines here")
+
+
+def check_json_out(p: argparse.ArgumentParser, path: str | None,
+                   option: str = "--json-out") -> None:
+    """Refuse (``p.error``: exit 2) a results file that could not be written at the end of a
+    long run: a directory, a file in a folder that does not exist or is not writable, a
+    read-only file."""
+    if path is None:
+        return
+    if not path:
+        p.error(f"{option}: empty path; name a file, e.g. {option} results.jsonl")
+    if os.path.isdir(path):
+        p.error(f"{option} {path}: is a directory; name a file in it, e.g. "
+                f"{option} {os.path.join(path, 'results.jsonl')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        p.error(f"{option} {path}: folder {parent} does not exist; create it (mkdir -p) or "
+                "name a file in an existing folder")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        p.error(f"{option} {path}: the file exists and is not writable; name another file")
+    if not os.path.exists(path) and not os.access(parent, os.W_OK | os.X_OK):
+        p.error(f"{option} {path}: folder {parent} is not writable; name a file in a folder "
+                "you can write")
+
+
+def check_dir(p: argparse.ArgumentParser, path: str | None, option: str = "--workdir") -> None:
+    """Make ``path`` (with parents) now and check that files can be created in it; refuse
+    (``p.error``: exit 2) one that cannot be, rather than fail after minutes of work."""
+    if path is None:
+        return
+    if not path:
+        p.error(f"{option}: empty path; name a folder or leave the option out")
+    if os.path.exists(path) and not os.path.isdir(path):
+        p.error(f"{option} {path}: exists and is not a directory; name a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        p.error(f"{option} {path}: cannot create it ({exc.strerror or exc}); name a folder "
+                "you can create")
+    import tempfile
+
+    try:
+        probe = tempfile.mkdtemp(prefix=".shardio-probe-", dir=path)
+    except OSError as exc:
+        p.error(f"{option} {path}: cannot create files in it ({exc.strerror or exc}); name a "
+                "writable folder")
+    os.rmdir(probe)
+
+
+def check_output_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """:func:`check_dir` on ``--workdir`` and :func:`check_json_out` on ``--json-out`` (the
+    options :func:`add_output_args` adds), before any work starts."""
+    check_json_out(p, a.json_out)
+    check_dir(p, a.workdir)
+
+
+def check_slow_store_dir(p: argparse.ArgumentParser, workdir: str | None) -> None:
+    """Refuse a work folder whose path has a comma: a simulated slow store under it
+    (``SHARDIO_SLOW_READS``/``SHARDIO_SLOW_STATS``, :mod:`shardio._inject`) would be cut in two
+    there, since commas separate the rules."""
+    import tempfile
+
+    where = workdir or tempfile.gettempdir()
+    if "," in os.path.abspath(where):
+        p.error(f"--workdir {where}: the simulated slow store's path may not contain a comma "
+                "(SHARDIO_SLOW_READS separates its rules with commas); name another folder")
+
+
+def check_seconds(p: argparse.ArgumentParser, option: str, value: float, *,
+                  positive: bool = False) -> None:
+    """Refuse a negative (or, with ``positive``, zero), NaN or infinite number of seconds."""
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        p.error(f"{option} {value}: give a finite number of seconds "
+                f"{'> 0' if positive else '>= 0'}")
+
+
+def check_files_classes(p: argparse.ArgumentParser, files: int, classes: int,
+                        min_files: int = 1, why: str = "") -> None:
+    """Refuse fewer than ``min_files`` files (``why`` says what needs them) and a class count
+    outside ``1..files`` (a class folder with no file in it)."""
+    if files < min_files:
+        p.error(f"--files {files}: at least {min_files} needed{why}; pass --files {min_files} "
+                "or more")
+    if classes < 1:
+        p.error(f"--classes {classes}: at least 1 needed")
+    if classes > files:
+        p.error(f"--classes {classes} is more than --files {files}: some class folders would be "
+                f"empty; pass --classes {files} or fewer, or more --files")
 
 
 def emit(lines: list[dict[str, Any]], summary: dict[str, Any], json_out: str | None) -> None:

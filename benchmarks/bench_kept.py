@@ -48,7 +48,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import add_output_args, emit, run_in_workdir
+from benchmarks._common import (  # noqa: E402
+    add_output_args,
+    check_files_classes,
+    check_output_args,
+    emit,
+    run_in_workdir,
+)
 
 CONTENDERS = ("none", "kept", "kept_without_detach", "previous", "labels", "labels_dataloader")
 DEFAULTS = {"files": 20000, "classes": 100, "repeat": 3, "epochs": 3}
@@ -145,14 +151,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    p = _parser()
+    a = p.parse_args(argv)
     size = {k: v if (v := getattr(a, k)) is not None else (QUICK if a.quick else DEFAULTS)[k]
             for k in DEFAULTS}
     if a.child:
         return child(json.loads(a.child))
-    if min(size.values()) < 1:
-        print("bench_kept: --files, --classes, --repeat, --epochs must be >= 1", file=sys.stderr)
-        return 2
+    check_files_classes(p, size["files"], size["classes"])
+    for name in ("repeat", "epochs"):
+        if size[name] < 1:
+            p.error(f"--{name} {size[name]}: at least 1 needed")
+    check_output_args(p, a)
     return run_in_workdir("shardio-bench-kept-", a.workdir, a.keep,
                           lambda work: _bench(work, **size, json_out=a.json_out))
 

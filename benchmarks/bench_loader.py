@@ -94,18 +94,22 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import add_output_args, emit, run_in_workdir  # noqa: E402
+from benchmarks._common import check_output_args, check_seconds  # noqa: E402
 
 from benchmarks.bench_read import (
     BATCH,
     LOADER_DESC as READ_DESC,
     MEASURED_PEERS,
+    MIN_SHARDS,
     WORKERS,
     ImageFolderBytes,
+    TooFewShards,
     TreeSampler,
     _dist_version,
     _loader,
     decode_item,
     end_epoch,
+    check_sizes,
     payload_of,
     prepare,
     raw_item,
@@ -684,7 +688,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    p = _parser()
+    a = p.parse_args(argv)
     if a.child:
         return child(json.loads(a.child))
     base = QUICK if a.quick else DEFAULTS
@@ -694,10 +699,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     decode_repeat = a.decode_repeat if a.decode_repeat is not None else base["decode_repeat"]
     side = a.side if a.side is not None else base["side"]
     shard_size = a.shard_size or base["shard_size"]
-    if n_files < 1 or n_classes < 1 or repeat < 1 or side < 1 or a.sample_interval <= 0:
-        print("bench_loader: --files, --classes, --repeat, --side must be >= 1, "
-              "--sample-interval > 0", file=sys.stderr)
-        return 2
+    check_sizes(p, n_files, n_classes, shard_size)
+    for option, value in (("--repeat", repeat), ("--decode-repeat", decode_repeat),
+                          ("--side", side)):
+        if value < 1:
+            p.error(f"{option} {value}: at least 1 needed")
+    check_seconds(p, "--sample-interval", a.sample_interval, positive=True)
+    if a.ring_bytes is not None:
+        from shardio.config import LoaderOptions
+        from shardio.errors import UsageError
+
+        try:
+            LoaderOptions(ring_bytes=a.ring_bytes)
+        except UsageError as exc:
+            p.error(f"--ring-bytes {a.ring_bytes!r}: {exc}")
+    check_output_args(p, a)
     return run_in_workdir("shardio-bench-loader-", a.workdir, a.keep,
                           lambda work: _bench(work, n_files, n_classes, repeat, side, shard_size,
                                               a.sample_interval, a.ring_bytes, a.json_out,
@@ -711,7 +727,11 @@ def _bench(work: str, n_files: int, n_classes: int, repeat: int, side: int, shar
 
     default_ring = LoaderOptions().ring_bytes
     e2e_ring = LoaderOptions(ring_bytes=ring_bytes).ring_bytes if ring_bytes else default_ring
-    data = prepare(work, n_files, n_classes, shard_size)
+    try:
+        data = prepare(work, n_files, n_classes, shard_size, min_shards=MIN_SHARDS)
+    except TooFewShards as exc:
+        print(f"bench_loader: {exc}", file=sys.stderr)
+        return 2
     base_spec = {k: data[k] for k in ("src", "shards", "tars", "files")}
     base_spec.update(sample_interval=interval, side=side, ring_bytes=e2e_ring)
 

@@ -61,6 +61,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import PEERS, peers_python, probe_peers, usable  # noqa: E402
 from benchmarks._common import add_output_args, emit, run_in_workdir  # noqa: E402
+from benchmarks._common import check_files_classes, check_output_args, check_seconds  # noqa: E402
+from benchmarks._common import check_slow_store_dir  # noqa: E402
 from benchmarks._common import dist_version as _dist_version  # noqa: E402
 
 SHARD_SIZE = "64MB"
@@ -430,7 +432,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    p = _parser()
+    a = p.parse_args(argv)
     if a.webdataset_child:
         return webdataset_child(*a.webdataset_child)
     if a.peer_child:
@@ -439,10 +442,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_files = a.files if a.files is not None else base["files"]
     n_classes = a.classes if a.classes is not None else base["classes"]
     repeat = a.repeat if a.repeat is not None else base["repeat"]
-    if n_files < 1 or n_classes < 1 or repeat < 1 or a.fs_latency < 0:
-        print("bench_pack: --files, --classes and --repeat must be >= 1, --fs-latency >= 0",
-              file=sys.stderr)
-        return 2
+    check_files_classes(p, n_files, n_classes)
+    if repeat < 1:
+        p.error(f"--repeat {repeat}: at least 1 needed")
+    check_seconds(p, "--fs-latency", a.fs_latency)
+    if a.fs_latency > 0:
+        check_slow_store_dir(p, a.workdir)
+    check_output_args(p, a)
     return run_in_workdir("shardio-bench-pack-", a.workdir, a.keep,
                           lambda work: _bench(work, n_files, n_classes, repeat, a.json_out,
                                               a.fs_latency))

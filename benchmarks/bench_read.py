@@ -93,6 +93,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._common import PEERS, peers_python, probe_peers, usable  # noqa: E402
 from benchmarks._common import add_output_args, emit, run_in_workdir  # noqa: E402
+from benchmarks._common import check_files_classes, check_output_args, check_seconds  # noqa: E402
 from benchmarks._common import dist_version as _dist_version  # noqa: E402
 
 BATCH = 256
@@ -105,6 +106,15 @@ KINDS = ("shardio", "shardio_loader", "smallfiles", "wds_batched", "wds_dataload
 MODES = ("raw", "decode")
 GROWTH = (("shardio", False), ("shardio", True), ("shardio_loader", False),
           ("shardio_loader", True), ("smallfiles", False), ("smallfiles", True))
+# Each worker gets a batch (with fewer files one worker does all the work)...
+MIN_FILES = BATCH * (WORKERS - 1) + 1
+# ...and a shard: webdataset deals whole shards to the workers and stops a worker that gets none
+# ("No samples found in dataset; perhaps you have fewer shards than workers").
+MIN_SHARDS = WORKERS
+# An upper bound on a packed sample of the generated tree (JPEGs are drawn below 40 KiB and come
+# out at most ~32 KB; plus the tar framing of the jpg and cls members): a smaller --shard-size
+# may not hold one sample, and at files * this or more the whole tree is certainly one shard.
+MAX_PACKED_SAMPLE = 64 * 1024
 TARGETS = {"raw_vs_smallfiles": 2.0, "raw_vs_webdataset": 4.0, "decode_vs_webdataset": 1.1,
            "rss_growth_pct": 5.0}
 
@@ -520,11 +530,49 @@ def _read_all(paths: Sequence[str]) -> int:
     return total
 
 
-def prepare(work: str, files: int, classes: int, shard_size: str) -> dict[str, Any]:
+class TooFewShards(Exception):
+    """The tree packed into fewer shards than the loaders need (:data:`MIN_SHARDS`)."""
+
+
+def check_sizes(p: argparse.ArgumentParser, files: int, classes: int, shard_size: str) -> None:
+    """``bench_read`` and ``bench_loader``: refuse (``p.error``: exit 2) sizes that would stop
+    the run or measure one worker: fewer than :data:`MIN_FILES` files, a class count outside
+    ``1..files``, a shard size that is not a size, that may be smaller than one sample, or that
+    certainly packs everything into one shard (the post-pack check, :class:`TooFewShards`,
+    catches the rest)."""
+    check_files_classes(p, files, classes, MIN_FILES,
+                        f" (one batch of {BATCH} for each of the {WORKERS} workers, plus one)")
+    from shardio._fsutil import parse_size
+    from shardio.errors import UsageError
+
+    try:
+        size = parse_size(shard_size)
+    except UsageError as exc:
+        p.error(f"--shard-size {shard_size!r}: {exc}")
+    if size < MAX_PACKED_SAMPLE:  # pack refuses a sample larger than a shard, after generating
+        p.error(f"--shard-size {shard_size}: a generated sample takes up to "
+                f"{MAX_PACKED_SAMPLE // 1024}KiB packed; pass --shard-size "
+                f"{MAX_PACKED_SAMPLE // 1024}KiB or more")
+    if size >= files * MAX_PACKED_SAMPLE:
+        p.error(f"--shard-size {shard_size}: all {files} files would pack into one shard, and "
+                f"the webdataset loaders need at least {MIN_SHARDS} (one per worker); pass "
+                f"--shard-size {_kb(files * MAX_PACKED_SAMPLE // 8)} or less, or more --files")
+
+
+def _kb(nbytes: int) -> str:
+    return f"{max(1, nbytes // 1000)}KB"
+
+
+def prepare(work: str, files: int, classes: int, shard_size: str,
+            min_shards: int = 1) -> dict[str, Any]:
     """Generate the tree, pack it, read everything once (page cache warm).
 
     Returns:
         Paths and sizes: ``src``, ``shards``, ``tars``, ``files``, ``payload_bytes``, ...
+
+    Raises:
+        TooFewShards: the pack made fewer than ``min_shards`` shards (checked before the page
+            cache is warmed and the peers' copies are made).
     """
     import shardio
     from tools.make_dataset import make_images
@@ -537,6 +585,14 @@ def prepare(work: str, files: int, classes: int, shard_size: str) -> dict[str, A
     manifest = shardio.pack(src, shards, label_from_dir=True, shard_size=shard_size, workers=2,
                             fsync=False, progress=False)
     t_pack = time.perf_counter() - t0
+    if len(manifest.shards) < min_shards:
+        total = manifest.total_bytes
+        raise TooFewShards(
+            f"--shard-size {shard_size}: the {files} files ({total / 1e6:.1f} MB packed) made "
+            f"{len(manifest.shards)} shard(s), and the webdataset loaders need at least "
+            f"{min_shards} (one per worker): figures from this tree would mean nothing, so the "
+            f"run stops here; pass --shard-size {_kb(total // (min_shards + 1))} or less, or "
+            "more --files")
     sources = [os.path.join(d, n) for d, _, names in os.walk(src) for n in names]
     tars = [os.path.join(shards, s.path) for s in manifest.shards]
     payload = _read_all(sources)
@@ -842,7 +898,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    p = _parser()
+    a = p.parse_args(argv)
     if a.child:
         return child(json.loads(a.child))
     if a.peer_convert:
@@ -855,10 +912,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     repeat = a.repeat if a.repeat is not None else base["repeat"]
     growth_epochs = a.growth_epochs if a.growth_epochs is not None else base["growth_epochs"]
     shard_size = a.shard_size or base["shard_size"]
-    if n_files < 1 or n_classes < 1 or repeat < 1 or growth_epochs < 0 or a.sample_interval <= 0:
-        print("bench_read: --files, --classes, --repeat must be >= 1, --growth-epochs >= 0, "
-              "--sample-interval > 0", file=sys.stderr)
-        return 2
+    check_sizes(p, n_files, n_classes, shard_size)
+    if repeat < 1:
+        p.error(f"--repeat {repeat}: at least 1 needed")
+    if growth_epochs < 0:
+        p.error(f"--growth-epochs {growth_epochs}: give 0 (no growth check) or more")
+    check_seconds(p, "--sample-interval", a.sample_interval, positive=True)
+    check_output_args(p, a)
     return run_in_workdir("shardio-bench-read-", a.workdir, a.keep,
                           lambda work: _bench(work, n_files, n_classes, repeat, growth_epochs,
                                               shard_size, a.sample_interval, a.json_out))
@@ -866,7 +926,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _bench(work: str, n_files: int, n_classes: int, repeat: int, growth_epochs: int,
            shard_size: str, interval: float, json_out: str | None) -> int:
-    data = prepare(work, n_files, n_classes, shard_size)
+    try:
+        data = prepare(work, n_files, n_classes, shard_size, min_shards=MIN_SHARDS)
+    except TooFewShards as exc:
+        print(f"bench_read: {exc}", file=sys.stderr)
+        return 2
     base_spec = {k: data[k] for k in ("src", "shards", "tars", "files")}
     base_spec.update(sample_interval=interval, persistent=False, epochs=1, end_memory=False)
     kinds = list(KINDS)

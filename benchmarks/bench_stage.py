@@ -47,13 +47,21 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import add_output_args, dist_version, emit
+from benchmarks._common import (  # noqa: E402
+    add_output_args,
+    check_output_args,
+    check_seconds,
+    check_slow_store_dir,
+    dist_version,
+    emit,
+)
 
 QUICK = {"files": 1500, "classes": 10, "epochs": 2, "shard_size": "1MB"}
 DEFAULTS = {"files": 16000, "classes": 50, "epochs": 10, "shard_size": "4MB"}
 SHARED_EPOCHS = 2  # the unstaged slow store is flat from epoch to epoch: two epochs show it
 CONTENDERS = ("local", "shared", "staged")
 BATCH, WORKERS = 64, 2
+MIN_FILES = BATCH * (WORKERS - 1) + 1  # each worker gets a batch (fewer: one worker measured)
 TARGET_STAGED_VS_LOCAL = 0.9
 
 
@@ -175,27 +183,58 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_output_args(p, "tiny configuration (smoke test; numbers mean little)")
-    p.add_argument("--files", type=int, default=None)
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--bandwidth", default="100MB", help="simulated shared-store bandwidth")
-    p.add_argument("--latency", type=float, default=0.005, help="simulated per-read latency (s)")
+    add_output_args(p, f"tiny configuration: {QUICK['files']} files, {QUICK['epochs']} epochs "
+                       "(smoke test; numbers mean little)")
+    p.add_argument("--files", type=int, default=None,
+                   help=f"files to generate (default {DEFAULTS['files']}; at least {MIN_FILES})")
+    p.add_argument("--epochs", type=int, default=None,
+                   help=f"epochs per contender (default {DEFAULTS['epochs']}; at least 2: the "
+                        "target is measured from the second on)")
+    p.add_argument("--bandwidth", default="100MB",
+                   help="simulated shared-store bandwidth (default 100MB, per second)")
+    p.add_argument("--latency", type=float, default=0.005,
+                   help="simulated per-read latency in seconds (default 0.005)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return p
+
+
+def _args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """The options, checked before any work (``p.error``: exit 2), and the run's sizes."""
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.child:
+        return a, {}
+    cfg = dict(QUICK if a.quick else DEFAULTS)
+    if a.files is not None:
+        cfg["files"] = a.files
+    if a.epochs is not None:
+        cfg["epochs"] = a.epochs
+    if cfg["files"] < MIN_FILES:
+        p.error(f"--files {cfg['files']}: at least {MIN_FILES} needed (one batch of {BATCH} "
+                f"for each of the {WORKERS} workers, plus one); pass --files {MIN_FILES} or more")
+    if cfg["epochs"] < 2:
+        p.error(f"--epochs {cfg['epochs']}: at least 2 needed (staged against local is measured "
+                "from the second epoch on); pass --epochs 2 or more")
+    check_seconds(p, "--latency", a.latency)
+    from shardio._fsutil import parse_size
+    from shardio.errors import UsageError
+
+    try:
+        parse_size(a.bandwidth)
+    except UsageError as exc:
+        p.error(f"--bandwidth {a.bandwidth!r}: {exc} (bytes per second)")
+    check_slow_store_dir(p, a.workdir)
+    check_output_args(p, a)
+    return a, cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _args(argv)
+    a, cfg = _args(argv)
     if a.child:
         print(json.dumps(child(json.loads(a.child))))
         return 0
-    cfg = dict(QUICK if a.quick else DEFAULTS)
-    if a.files:
-        cfg["files"] = a.files
-    if a.epochs:
-        cfg["epochs"] = a.epochs
     base = Path(tempfile.mkdtemp(prefix="shardio-bench-stage-", dir=a.workdir))
     try:
         info = prepare(base, cfg)

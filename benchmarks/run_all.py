@@ -51,6 +51,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import check_dir  # noqa: E402
+
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 RUNS_FILE = "runs.json"
 REPORT_FILE = "REPORT.md"
@@ -982,7 +987,8 @@ def write_report(out: Path, *, plots: bool = True) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    p = _parser()
+    a = p.parse_args(argv)
     out = Path(a.out)
     err = sys.stderr
     if a.report_only:
@@ -992,9 +998,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"run_all: wrote {write_report(out, plots=not a.no_plots)}", file=err)
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    if a.workdir:
-        os.makedirs(a.workdir, exist_ok=True)
+    if a.timeout is not None and not (0 < a.timeout < float("inf")):
+        p.error(f"--timeout {a.timeout}: give a finite number of seconds > 0")
+    # Both made (and tried) now: a results folder that cannot be written would otherwise
+    # surface only after the first benchmark, a work folder in every script's run.
+    check_dir(p, a.out, "--out")
+    check_dir(p, a.workdir, "--workdir")
     extra: dict[str, list[str]] = {}
     for name, args in a.args:
         extra.setdefault(name, []).extend(args)

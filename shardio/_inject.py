@@ -21,6 +21,7 @@ thread that makes it (a sleep releases the GIL, as a stat waiting on its reply d
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
@@ -37,7 +38,9 @@ STATS_ENV = "SHARDIO_SLOW_STATS"
 
 def _parse(text: str, env: str, form: str, example: str) -> list[tuple[Any, ...]]:
     """Comma-separated ``DIR:VALUE...`` rules (``form``, e.g. ``DIR:BANDWIDTH:LATENCY``) ->
-    ``[(dir + "/", value, ...)]``: a size for ``BANDWIDTH``, seconds for ``LATENCY``.
+    ``[(dir + "/", value, ...)]``: a size for ``BANDWIDTH``, seconds for ``LATENCY`` (finite,
+    ``>= 0``: a negative one would make ``time.sleep`` fail at the first read, an infinite one
+    sleep forever, and NaN do either).
 
     Raises:
         UsageError: a malformed rule (``env`` and ``example`` name the fix).
@@ -49,11 +52,15 @@ def _parse(text: str, env: str, form: str, example: str) -> list[tuple[Any, ...]
             d, *values = part.rsplit(":", len(fields))
             if len(values) != len(fields):
                 raise ValueError(part)
-            rules.append((os.path.realpath(d).rstrip("/") + "/", *(
-                float(parse_size(v)) if f == "BANDWIDTH" else float(v)
-                for f, v in zip(fields, values))))
-        except (ValueError, UsageError) as exc:
+            parsed = [float(parse_size(v)) if f == "BANDWIDTH" else float(v)
+                      for f, v in zip(fields, values)]
+        except (ValueError, OverflowError, UsageError) as exc:
             raise UsageError(f"{env}: bad rule {part!r}; write {form}, e.g. {example}") from exc
+        for f, v in zip(fields, parsed):
+            if f == "LATENCY" and not (math.isfinite(v) and v >= 0):
+                raise UsageError(f"{env}: bad rule {part!r}: LATENCY must be a finite number of "
+                                 f"seconds >= 0, got {v}; write {form}, e.g. {example}")
+        rules.append((os.path.realpath(d).rstrip("/") + "/", *parsed))
     return rules
 
 

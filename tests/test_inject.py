@@ -45,3 +45,29 @@ def test_reads_under_the_slow_dir_sleep(image_tree: Path, tmp_path: Path,
     finally:
         monkeypatch.delenv("SHARDIO_SLOW_READS")
         importlib.reload(inj)
+
+
+@pytest.mark.parametrize("latency", ["-0.001", "nan", "inf", "-inf", "1e400"])
+def test_latency_must_be_finite_and_not_negative(latency: str) -> None:
+    """A negative latency made ``time.sleep`` fail at the first read (deep in a worker), an
+    infinite one hung every read: both are refused when the rules are read, naming the fix."""
+    from shardio._inject import STATS_ENV, _parse, parse_rules
+
+    with pytest.raises(UsageError, match=r"LATENCY must be a finite number of seconds >= 0"):
+        parse_rules(f"/data/x:200MB:{latency}")
+    with pytest.raises(UsageError, match=rf"{STATS_ENV}: bad rule .*LATENCY must be"):
+        _parse(f"/data/x:{latency}", STATS_ENV, "DIR:LATENCY", "/data/shared:0.0005")
+    [(_d, _bw, zero)] = parse_rules("/data/x:200MB:0")
+    assert zero == 0.0
+
+
+def test_a_bad_latency_in_the_environment_fails_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardio._inject as inj
+
+    monkeypatch.setenv("SHARDIO_SLOW_STATS", "/data/x:-1")
+    try:
+        with pytest.raises(UsageError, match="SHARDIO_SLOW_STATS"):
+            importlib.reload(inj)
+    finally:
+        monkeypatch.delenv("SHARDIO_SLOW_STATS")
+        importlib.reload(inj)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shardio
-from tools.make_dataset import TreeSummary, main, make_arrays, make_text, parse_shape
+from tools.make_dataset import TreeSummary, main, make_arrays, make_images, make_text, parse_shape
 
 
 def tree(root: Path) -> dict[str, bytes]:
@@ -119,3 +119,34 @@ def test_array_tree_packs_and_decodes(tmp_path: Path) -> None:
         assert type(sample["cls"]) is int and 0 <= sample["cls"] < 4
         n += 1
     assert n == 40
+
+
+@pytest.mark.parametrize(("kw", "flag"), [
+    ({"files": -1}, "files"), ({"classes": 0}, "classes"), ({"min_kb": 0}, "min_kb"),
+    ({"min_kb": 40, "max_kb": 5}, "min_kb"), ({"max_kb": -3}, "max_kb"), ({"pool": 0}, "pool"),
+])
+def test_bad_image_sizes_are_refused_before_writing(kw: dict[str, int], flag: str,
+                                                    tmp_path: Path) -> None:
+    """classes=0 was a ZeroDivisionError, min_kb > max_kb numpy's 'low >= high' from deep in the
+    generator (after the class folders were made); now a ValueError naming the option."""
+    args = {"files": 4, "classes": 2, **kw}
+    with pytest.raises(ValueError, match=flag):
+        make_images(str(tmp_path / "x"), **args)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("argv", [["--classes", "0"], ["--files", "-2"], ["--min-kb", "0"],
+                                  ["--min-kb", "41"], ["--seed", "-1"]])
+def test_bad_image_options_are_usage_errors(argv: list[str], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["images", str(tmp_path / "x"), "--files", "3", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and argv[0].lstrip("-").replace("-", "_") in err.replace("-", "_")
+    assert not (tmp_path / "x").exists()
+
+
+def test_equal_min_and_max_kb_is_one_size(tmp_path: Path) -> None:
+    make_images(str(tmp_path / "e"), files=6, classes=2, min_kb=8, max_kb=8, pool=4)
+    assert len(list((tmp_path / "e").rglob("*.jpg"))) == 6

@@ -1,24 +1,74 @@
 """The built-in example (``make demo``): generate a small ImageFolder tree, pack it, verify it,
 read every sample back through the shard index, train-load it with the ShardLoader, then stage it
-to a node-local cache and read through injected corruption (self-repair), and print the figures."""
+to a node-local cache and read through injected corruption (self-repair), and print the figures.
+
+``python tools/demo.py [--out DIR]`` works in ``DIR`` (default ``$SHARDIO_DEMO_DIR``, else
+``demo-out``).  A folder a previous demo wrote is emptied first; any other folder that is not
+empty is refused (exit 2), so the demo never deletes files it did not write.  Exit status: 0
+every step checked out, 1 a step found a problem, 2 usage error.
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import shardio  # noqa: E402
 from tools.make_dataset import make_images  # noqa: E402
 
+# Written into the output folder before anything else: the folder is a demo's to empty again.
+# Nothing else makes a folder the demo's (not even holding only images/ and dataset/: a tree
+# made with tools/make_dataset.py looks like that), so a demo-out/ written before the marker
+# existed is refused too, with the fix (remove it: make clean).
+MARKER = ".shardio-demo"
 
-def main() -> int:
-    root = os.environ.get("SHARDIO_DEMO_DIR", "demo-out")
-    shutil.rmtree(root, ignore_errors=True)
+
+def _prepare_out(p: argparse.ArgumentParser, root: str) -> None:
+    """Make ``root`` an empty folder marked as the demo's, or refuse (exit 2) to touch it."""
+    if os.path.lexists(root) and not os.path.isdir(root):
+        p.error(f"--out {root}: exists and is not a directory; name a folder for the demo")
+    if os.path.isdir(root) and os.listdir(root):
+        if not os.path.lexists(os.path.join(root, MARKER)):
+            p.error(f"--out {root}: folder is not empty and is not a previous demo's output "
+                    f"(no {MARKER} file); the demo empties its folder, so name a new or empty "
+                    "one (an older demo's output: remove it, e.g. make clean)")
+        for name in os.listdir(root):  # the folder itself stays (it may be a link)
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, MARKER), "w") as f:
+            f.write("written by tools/demo.py; the next demo run here empties this folder\n")
+    except OSError as exc:
+        p.error(f"--out {root}: cannot write there ({exc.strerror or exc}); name a folder you "
+                "can write")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", metavar="DIR",
+                   default=os.environ.get("SHARDIO_DEMO_DIR") or "demo-out",
+                   help="folder to work in (default $SHARDIO_DEMO_DIR, else demo-out); a "
+                        "previous demo's output is replaced, another non-empty folder refused")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
+    root = p.parse_args(argv).out
+    if not root:
+        p.error("--out: empty path; name a folder, e.g. --out demo-out")
+    _prepare_out(p, root)
     src, out = os.path.join(root, "images"), os.path.join(root, "dataset")
     t0 = time.perf_counter()
     total = make_images(src, files=2000, classes=10, seed=0)
@@ -38,8 +88,8 @@ def main() -> int:
     print(f"3. verified every checksum in {time.perf_counter() - t0:.2f}s: "
           + ("clean" if not problems else f"{len(problems)} problems"))
     if problems:
-        for p in problems:
-            print("   ", p)
+        for problem in problems:
+            print("   ", problem)
         return 1
 
     t0 = time.perf_counter()

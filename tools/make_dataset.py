@@ -60,9 +60,24 @@ def make_images(root: str, files: int = 20000, classes: int = 100, min_kb: int =
     ``pool`` distinct JPEGs are encoded, then each file is one of them with a unique JPEG comment
     segment appended after SOI, so files differ byte-wise and decode as valid JPEGs, and 20,000
     files take seconds rather than minutes to generate.
+
+    Raises:
+        ValueError: ``files < 0``, ``classes < 1``, ``pool < 1`` or not ``1 <= min_kb <= max_kb``.
     """
+    if isinstance(files, bool) or not isinstance(files, int) or files < 0:
+        raise ValueError(f"files must be an integer >= 0, got {files!r} (--files)")
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
+        raise ValueError(f"classes must be an integer >= 1, got {classes!r} (--classes)")
+    if not (isinstance(min_kb, int) and isinstance(max_kb, int) and 1 <= min_kb <= max_kb):
+        raise ValueError(f"sizes need 1 <= min_kb <= max_kb, got min_kb={min_kb!r}, "
+                         f"max_kb={max_kb!r} (--min-kb, --max-kb)")
+    if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
+        raise ValueError(f"pool must be an integer >= 1, got {pool!r}")
     rng = np.random.default_rng(seed)
-    targets = rng.integers(min_kb * 1024, max_kb * 1024, size=pool)
+    # min_kb == max_kb draws that one target (numpy's high bound is exclusive); the other
+    # ranges draw as before, so a given seed still writes the same bytes.
+    high = max_kb * 1024 + (min_kb == max_kb)
+    targets = rng.integers(min_kb * 1024, high, size=pool)
     images = [_jpeg(rng, int(t)) for t in targets]
     total = 0
     per_class = -(-files // classes)
@@ -253,7 +268,7 @@ def make_arrays(root: str, files: int = 20000, shape: str = "16-256,64", dtype: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="kind", required=True)
-    im = sub.add_parser("images")
+    im = sub.add_parser("images", help="ImageFolder tree of JPEGs (class_XXX/img_XXXXXXX.jpg)")
     im.add_argument("root")
     im.add_argument("--files", type=int, default=20000)
     im.add_argument("--classes", type=int, default=100)
@@ -278,11 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     ar.add_argument("--per-dir", type=int, default=1000, help="samples per part_XXX folder")
     ar.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    if a.kind == "images":
-        total = make_images(a.root, a.files, a.classes, a.min_kb, a.max_kb, a.seed)
-        print(f"wrote {a.files} images, {total / 1e6:.1f} MB, under {a.root}", file=sys.stderr)
-        return 0
+    if a.seed < 0:  # numpy's generator takes no negative seed
+        p.error(f"--seed {a.seed}: give an integer >= 0")
     try:
+        if a.kind == "images":
+            total = make_images(a.root, a.files, a.classes, a.min_kb, a.max_kb, a.seed)
+            print(f"wrote {a.files} images, {total / 1e6:.1f} MB, under {a.root}",
+                  file=sys.stderr)
+            return 0
         if a.kind == "text":
             summary = make_text(a.root, a.files, a.median_words, a.sigma, a.max_words, a.seed,
                                 a.per_dir)
