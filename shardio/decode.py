@@ -101,8 +101,10 @@ def decode_sample(sample: dict[str, Any], *, allow_pickle: bool = False,
             continue
         try:
             out[k] = decode_field(k, v, allow_pickle=allow_pickle, image_mode=image_mode)
-        except (UsageError, MissingDependencyError):
+        except MissingDependencyError:
             raise
+        except UsageError as exc:  # (a pickle without allow_pickle): say which sample it is
+            raise UsageError(f"sample {sample.get('__key__')!r}: {exc}") from None
         except Exception as exc:
             image = k.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS
             raise DecodeError(
