@@ -22,7 +22,8 @@
     ``first_epoch_*``.
 
 (b) **end to end**: one epoch (from ``iter(loader)`` to the loop's end, worker start and stop
-    included, ``persistent_workers=False``; a ShardLoader is closed inside the timed region) of the
+    included, ``persistent_workers=False``: a ShardLoader's iterator stops its workers as it runs
+    out, without waiting for their exit, see ``bench_read.py``) of the
     loaders ``bench_read.py`` defines (its ``_loader``): ``shardloader`` (``ShardLoader`` over
     ``ShardDataset``, default collate), ``shardio_dataloader`` (torch ``DataLoader`` over the same
     ``ShardDataset``), ``smallfiles`` (``DataLoader`` over the ImageFolder tree, one open/read per
@@ -108,7 +109,6 @@ from benchmarks.bench_read import (
     _dist_version,
     _loader,
     decode_item,
-    end_epoch,
     check_sizes,
     payload_of,
     prepare,
@@ -322,9 +322,9 @@ def _transfer(spec: dict[str, Any], sampler: Sampler) -> list[dict[str, Any]]:
     return epochs
 
 
-def _timed_epoch(loader: Any, sampler: Sampler, end: Any = None) -> dict[str, Any]:
-    """Iterate one epoch of ``(x, labels, nbytes)`` batches under the clock; ``end(loader)``,
-    when given, runs inside the timed region (a non-persistent loader's shutdown)."""
+def _timed_epoch(loader: Any, sampler: Sampler) -> dict[str, Any]:
+    """Iterate one epoch of ``(x, labels, nbytes)`` batches under the clock (a non-persistent
+    loader stops its workers as its iterator runs out, inside it)."""
     samples = batches = payload = 0
     first = None
     _x = labels = nbytes = None
@@ -336,8 +336,6 @@ def _timed_epoch(loader: Any, sampler: Sampler, end: Any = None) -> dict[str, An
             batches += 1
             payload += payload_of(nbytes)
         del _x, labels, nbytes
-        if end is not None:
-            end(loader)
     ep = clock.result(samples, batches, first)
     ep["payload_bytes"] = payload
     return ep
@@ -347,7 +345,7 @@ def _e2e(spec: dict[str, Any], sampler: Sampler) -> list[dict[str, Any]]:
     loader, set_epoch = _loader({**spec, "kind": READ_KIND[spec["loader"]], "persistent": False,
                                  "ring_bytes": spec["ring_bytes"]})
     set_epoch(0)
-    return [_timed_epoch(loader, sampler, lambda ld: end_epoch(ld, persistent=False))]
+    return [_timed_epoch(loader, sampler)]
 
 
 def _steady(spec: dict[str, Any], sampler: Sampler) -> list[dict[str, Any]]:

@@ -13,9 +13,12 @@ cache at the start of every run, whatever the host evicted in between):
 * ``shardio_loader``: ``ShardLoader(ShardDataset(out, batch_size=256, transform=...),
   batch_size=256, num_workers=2)``: the same dataset, read by shardio's own worker pool, whose
   workers write whole batches into shared-memory rings (default ``ring_bytes``, default collate:
-  tensors and numbers stacked straight into the ring, bytes pickled alongside).  Its workers
-  outlive an epoch; the timed runs close the loader right after the loop, inside the timed
-  region, so worker start and stop count as they do for ``persistent_workers=False``;
+  tensors and numbers stacked straight into the ring, bytes pickled alongside), with
+  ``persistent_workers=False`` like the DataLoaders: each epoch starts its workers, and stops
+  them when its iterator runs out.  (It does not wait for the kernel to tear the stopped
+  workers down, ~12 ms each here, as DataLoader's ``join`` does: see ``shardio.pool``,
+  *Closing without waiting*.  A later epoch's start overlaps with that teardown;
+  ``loader.close()`` waits for it.);
 * ``smallfiles``: ``DataLoader(ImageFolderBytes(src), batch_size=256, shuffle=True,
   num_workers=2)``, a map-style dataset that lists the tree like torchvision's ImageFolder and
   opens and reads one file per ``__getitem__``;
@@ -347,8 +350,7 @@ def _loader(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None]]:
     ``shardio_loader`` is a :class:`shardio.ShardLoader` with its default collate, which stacks
     the per-sample tensors and numbers straight into the shared-memory ring: the batch has the
     structure ``collate_*`` gives, except that ``nbytes`` is a per-sample int64 tensor (see
-    :func:`payload_of`).  Its workers outlive an epoch; "not persistent" closes it after each
-    epoch (:func:`end_epoch`), which stops them like a non-persistent DataLoader's.
+    :func:`payload_of`).  ``persistent`` is its ``persistent_workers``, as the DataLoaders'.
     """
     from torch.utils.data import DataLoader
 
@@ -362,7 +364,8 @@ def _loader(spec: dict[str, Any]) -> tuple[Any, Callable[[int], None]]:
                           zero_copy=True)
         if kind == "shardio_loader":
             ring = {"ring_bytes": spec["ring_bytes"]} if spec.get("ring_bytes") else {}
-            loader = ShardLoader(ds, batch_size=BATCH, num_workers=WORKERS, **ring)
+            loader = ShardLoader(ds, batch_size=BATCH, num_workers=WORKERS,
+                                 persistent_workers=persistent, **ring)
             return loader, loader.set_epoch
         return DataLoader(ds, batch_size=BATCH, collate_fn=collate, **common), ds.set_epoch
     if kind == "smallfiles":
@@ -405,9 +408,10 @@ def _is_shard_loader(loader: Any) -> bool:
     return isinstance(loader, ShardLoader)
 
 
-def end_epoch(loader: Any, persistent: bool) -> None:
-    """After an epoch's loop (timed): a non-persistent ``ShardLoader`` stops its workers, as a
-    DataLoader with ``persistent_workers=False`` does when its iterator runs out."""
+def settle(loader: Any, persistent: bool) -> None:
+    """After an epoch's timed loop, before the tree's memory is read: the workers a
+    non-persistent ``ShardLoader`` stopped as its iterator ran out are gone (it does not wait
+    for their exit; ``close()`` does), as a non-persistent DataLoader's are by then."""
     if not persistent and _is_shard_loader(loader):
         loader.close()
 
@@ -458,10 +462,10 @@ def child(spec: dict[str, Any]) -> int:
                 samples += len(labels)
                 payload += payload_of(nbytes)
             del _x, labels, nbytes
-            end_epoch(loader, spec["persistent"])
             dt = time.perf_counter() - t0
             (main1, kids1), samp1 = _cpu(), sampler.cpu_seconds
             if spec["end_memory"]:
+                settle(loader, spec["persistent"])
                 # After the loop: non-persistent workers have exited (what remains is the main
                 # process, where a leak across epochs would live); persistent ones are all alive.
                 # At the last batch the tree would hold a finished worker or not, depending on

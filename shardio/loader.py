@@ -44,7 +44,7 @@ from .config import LoaderOptions
 from .dataset import ShardDataset, repeat_for_skipped
 from .errors import ShmSpaceError, UsageError, WorkerCrashedError, WorkerTimeoutError
 from .order import RankPlan
-from .pool import Claim, PoolOptions, WorkerPool
+from .pool import Claim, PoolOptions, WorkerPool, reap_exiting, still_exiting
 from .sharedbytes import CHUNK_BYTES, Arena, is_arena_field
 from .stats import LoaderStats
 from .topology import discover_cpus
@@ -380,7 +380,8 @@ class ShardLoader:
         prefetch_factor: as :attr:`LoaderOptions.prefetch_factor` (None: its default).
         persistent_workers: True (default): workers live until :meth:`close`.  False: they
             are stopped at the end of each iteration (completed or not) and started again by
-            the next, as a DataLoader's are.
+            the next, as a DataLoader's are, but the iteration does not wait for their exit
+            (see *Closing without waiting* in :mod:`shardio.pool`; :meth:`close` does).
         pin_memory_device: ``""`` or ``"cuda"`` (``"cuda:N"``).
         in_order: accepted for DataLoader's sake; batches always come in order.
         options: :class:`~shardio.config.LoaderOptions` (ring size, shm directory, CPU pinning,
@@ -467,6 +468,7 @@ class ShardLoader:
         self._saving = False  # a preemption save is being written (the handler re-entered)
         self._signals: set[int] = set()  # handled by save_on_signal: the workers ignore them
         self._restarts_before = 0  # worker restarts of this loader's closed pools
+        self._exiting: list[Any] = []  # workers of pools closed without waiting (close() waits)
         # A stop save happened (while no iteration ran, at an iteration's end, or ending one):
         # later iterations end at once (they would deliver what the saved position says is to
         # come), until load_state_dict or save_on_signal.
@@ -794,7 +796,9 @@ class ShardLoader:
         finally:
             if self._iterating is token:
                 if self.num_workers and not self.persistent_workers:
-                    self.close()  # as a DataLoader's iterator stops its workers
+                    # As a DataLoader's iterator stops its workers, but the loop does not wait
+                    # for the kernel to tear them down (close() does).
+                    self._close(wait=False)
                 self._iterating = None
                 # A signal after this iteration's last check (it was running, so the handler
                 # left it pending) is saved now; after this, the handler saves by itself.
@@ -977,7 +981,17 @@ class ShardLoader:
         return out
 
     def close(self) -> None:
-        """Stop the workers and release shared memory (also done at garbage collection)."""
+        """Stop the workers and release shared memory (also done at garbage collection).  When
+        it returns, no worker of this loader is left, including those of iterations that ended
+        with ``persistent_workers=False`` (which do not wait for their workers to exit)."""
+        self._close(wait=True)
+        exiting, self._exiting = self._exiting, []
+        if exiting:
+            reap_exiting(wait=True, procs=exiting)
+
+    def _close(self, wait: bool) -> None:
+        """Close the pool; ``wait=False``: leave its workers' exits to
+        :func:`shardio.pool.reap_exiting` (see *Closing without waiting* there)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             # Let go of the pool first: a close interrupted by Ctrl-C leaves this loader with
@@ -987,7 +1001,10 @@ class ShardLoader:
             self._leased.clear()
             self._restarts_before += pool.restarts
             self._stats.restarts = self._restarts_before
-            pool.close()
+            pool.close(wait)
+            if not wait:
+                self._exiting = [p for p in self._exiting if still_exiting(p)]
+                self._exiting += pool.exiting
 
     def __enter__(self) -> ShardLoader:
         return self

@@ -125,6 +125,18 @@ Generations
     ``run`` iterator resumed after that raises :class:`~shardio.errors.UsageError` instead of
     waiting for batches that will never come.
 
+Closing without waiting
+    ``close(wait=False)`` (a non-persistent ``ShardLoader`` at the end of each iteration) does
+    everything ``close()`` does but wait for the workers to be gone: they have their STOP, their
+    pipes are closed and their rings unlinked, and the kernel's teardown of each process (~12 ms
+    here for a worker forked from a process holding torch: its copied page tables) goes on
+    while the training loop does.  No thread waits on them (one that starts or ends while main
+    forks can leave the child stuck in fork, see *Stuck start*): multiprocessing reaps those
+    that exited whenever it starts a process, and :func:`reap_exiting` (at every pool's start,
+    and waiting from ``ShardLoader.close()``, so that after an explicit close nothing of the
+    loader is left) terminates, then kills, one still there ``join_timeout`` seconds after
+    the close, as ``close()`` would.
+
 Worker states: STARTING → IDLE ⇄ PRODUCING → STOPPED | DEAD (→ restarted as a new STARTING).
 """
 
@@ -800,6 +812,8 @@ class WorkerPool:
         self._started = self._ctx.RawArray("q", [0] * options.num_workers)
         self._workers: list[_Worker] = []
         self._closed = False
+        # Workers a close(wait=False) left to the reaper (see *Closing without waiting*).
+        self.exiting: list[Any] = []
         self.restarts = 0
         # Signals the workers ignore (besides SIGINT, SIGUSR1, SIGUSR2): the owner may change
         # it between runs; new workers get it at their start, running ones with the next epoch.
@@ -811,6 +825,7 @@ class WorkerPool:
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         o = self.options
+        reap_exiting()  # (workers of pools closed without waiting: see *Closing without waiting*)
         _sweep_once(o.shm_dir)
         sized = not callable(o.ring_bytes)
         if sized:
@@ -1162,8 +1177,12 @@ class WorkerPool:
         # (failing, it is noticed like a death)
         self._post(w, (Cmd.EPOCH, generation, spec, redo, self.ignore_signals))
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Stop workers (join → terminate → kill, bounded) and release the rings.
+
+        ``wait=False``: the workers are told to stop and their pipes and rings let go of, but
+        their exits are left to a background thread (see *Closing without waiting*):
+        :attr:`exiting` lists them, :func:`reap_exiting` waits for them.
 
         Interrupted (Ctrl-C while it waits for the workers), it kills the workers that are
         left and reaps them before the exception goes on; what it did not do yet (the rings)
@@ -1172,7 +1191,7 @@ class WorkerPool:
             return
         self._gen.value += 1
         try:
-            self._stop_workers()
+            self._stop_workers(wait)
         except BaseException:
             for w in self._workers:
                 if w.proc is not None and w.proc.is_alive():
@@ -1189,7 +1208,7 @@ class WorkerPool:
                 w.ring.unlink()
         self._closed = True
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, wait: bool = True) -> None:
         for w in self._workers:
             if w.ctl is not None:
                 self._post(w, (Cmd.STOP,))
@@ -1201,22 +1220,64 @@ class WorkerPool:
             if w.data is not None:
                 w.data.close()  # a worker blocked on a spill send gets EPIPE
         deadline = time.monotonic() + self.options.join_timeout
-        for w in self._workers:
-            if w.proc is None:
-                continue
-            w.proc.join(max(0.0, deadline - time.monotonic()))
-            if w.proc.is_alive():
-                w.proc.terminate()
-                w.proc.join(1.0)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(1.0)
+        procs = [w.proc for w in self._workers if w.proc is not None]
+        if not wait:
+            self.exiting = procs
+            _EXITING.extend((proc, deadline) for proc in procs)
+            return
+        for proc in procs:
+            _finish(proc, deadline)
 
     def __del__(self) -> None:
         if threading is not None and not getattr(self, "_closed", True):
             try:
                 self.close()
             except Exception:
+                pass
+
+
+def _finish(proc: Any, deadline: float) -> None:
+    """Wait for a worker told to stop until ``deadline`` (``time.monotonic()``), then terminate
+    it, then kill it (a second each), and reap it."""
+    proc.join(max(0.0, deadline - time.monotonic()))
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(1.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(1.0)
+
+
+# Workers of pools closed with wait=False, with the time.monotonic() by which each must be gone
+# (see *Closing without waiting*).  No thread waits on them: a thread that starts or ends
+# while main forks can leave the child stuck in fork on CPython before 3.11.10 (see *Stuck
+# start*).  multiprocessing reaps those that exited whenever a process starts; reap_exiting
+# enforces the deadlines.
+_EXITING: list[tuple[Any, float]] = []
+
+
+def still_exiting(proc: Any) -> bool:
+    """Whether ``proc``, a worker ``close(wait=False)`` left, was not reaped yet (after
+    :func:`reap_exiting` reaps one, its process object is closed)."""
+    return any(p is proc for p, _ in _EXITING)
+
+
+def reap_exiting(wait: bool = False, procs: Iterable[Any] | None = None) -> None:
+    """Reap the workers ``close(wait=False)`` left (``procs``, or all): with ``wait``, wait for
+    each until its deadline, then terminate, then kill it; without, only those that exited, and
+    those past their deadline the same way."""
+    chosen = None if procs is None else {id(p) for p in procs}
+    for entry in list(_EXITING):
+        proc, deadline = entry
+        if chosen is not None and id(proc) not in chosen:
+            continue
+        if wait or proc.exitcode is not None or time.monotonic() >= deadline:
+            _finish(proc, deadline)
+            if entry in _EXITING:
+                _EXITING.remove(entry)
+            try:
+                proc.close()  # its sentinel descriptor now, not when the object is collected
+            except ValueError:  # pragma: no cover - SIGKILL did not end it within a second
                 pass
 
 

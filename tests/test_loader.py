@@ -39,6 +39,7 @@ import pytest
 import torch
 
 import shardio
+import shardio.pool
 from shardio import LoaderOptions, ShardDataset, ShardLoader, Topology
 from shardio.errors import (
     ShmSpaceError,
@@ -1648,6 +1649,9 @@ def test_loaders_leave_no_descriptor_behind(
     monkeypatch.setenv("SHARDIO_TEST_MARKER", str(tmp_path / "failed"))
     monkeypatch.setenv("SHARDIO_TEST_FIRST", order[0])
     make_loader(ShardDataset(text), 4, **FAST).close()  # imports and first-use caches
+    # Workers that earlier tests' non-persistent loaders left exiting (see shardio.pool,
+    # "Closing without waiting") give their descriptors back when they are reaped: not here.
+    shardio.pool.reap_exiting(wait=True)
     before = fds()
     for _ in range(3):
         loader = make_loader(ShardDataset(text, seed=1), 4, **FAST)

@@ -516,7 +516,7 @@ def test_ctrl_c_inside_close_leaves_no_worker_and_a_usable_loader(
     orphan = loader._pool  # (its own close finishes once it is collected: below)
     real = pool_mod.WorkerPool._stop_workers
 
-    def interrupted(self: Any) -> None:
+    def interrupted(self: Any, wait: bool = True) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pool_mod.WorkerPool, "_stop_workers", interrupted)

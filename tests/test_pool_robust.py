@@ -29,7 +29,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -574,3 +574,113 @@ def test_a_full_control_socket_never_makes_main_wait_even_with_a_default_timeout
         b.close()
         os.close(r)
         os.close(w)
+
+
+# --- closing without waiting (see shardio.pool, "Closing without waiting") --------------------
+
+
+def _state(pid: int) -> str:
+    try:
+        return str(psutil.Process(pid).status())
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
+def _sigstop(pids: list[int]) -> None:
+    """SIGSTOP ``pids`` and wait until each is stopped (delivery is asynchronous)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    t_end = time.monotonic() + 10
+    while any(_state(pid) != psutil.STATUS_STOPPED for pid in pids):
+        assert time.monotonic() < t_end, [_state(pid) for pid in pids]
+        time.sleep(0.01)
+
+
+@contextmanager
+def _killed_at_the_end(pids: list[int]) -> Iterator[None]:
+    """A failed test leaves no stopped worker behind."""
+    try:
+        yield
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_close_without_waiting_leaves_the_exits_to_the_reaper(
+        make_pool: Callable[..., WorkerPool]) -> None:
+    """close(wait=False) lets go of pipes and rings and returns while the workers still exist
+    (here stopped with SIGSTOP, so they cannot exit by themselves); reap_exiting(wait=True)
+    then ends them at their deadline: SIGTERM does not end a stopped process, SIGKILL does."""
+    pool = make_pool(BigStepJob(big=-1), num_workers=2, join_timeout=0.5)
+    with deadline(20, pool), ExitStack() as stack:
+        got = [value(ring, msg) for _step, ring, msg in pool.run({}, range(4))]
+        assert got == [(64, s) for s in range(4)]
+        pids = pool.pids()
+        _sigstop(pids)
+        stack.enter_context(_killed_at_the_end(pids))
+        pool.close(wait=False)
+        assert [p.pid for p in pool.exiting] == pids
+        # Returned without them: both still there (stopped), their ends closed by main.
+        assert all(_state(pid) == psutil.STATUS_STOPPED for pid in pids)
+        shardio.pool.reap_exiting()  # not waiting: before their deadline it leaves them be
+        assert all(_state(pid) == psutil.STATUS_STOPPED for pid in pids)
+        shardio.pool.reap_exiting(wait=True, procs=pool.exiting)
+        assert [_state(pid) for pid in pids] == ["gone", "gone"]
+        assert not any(shardio.pool.still_exiting(p) for p in pool.exiting)
+        assert not [p for p, _ in shardio.pool._EXITING if p.pid in pids]
+
+
+def test_a_pool_start_reaps_workers_past_their_deadline(
+        make_pool: Callable[..., WorkerPool]) -> None:
+    """A worker left by close(wait=False) that never exits is killed by the next pool's start
+    once its deadline has passed (no thread watches it)."""
+    pool = make_pool(BigStepJob(big=-1), num_workers=1, join_timeout=0.2)
+    with deadline(20, pool), ExitStack() as stack:
+        assert [value(r, m) for _s, r, m in pool.run({}, range(2))] == [(64, 0), (64, 1)]
+        (pid,) = pool.pids()
+        _sigstop([pid])
+        stack.enter_context(_killed_at_the_end([pid]))
+        pool.close(wait=False)
+        time.sleep(0.3)  # past its deadline
+        assert _state(pid) == psutil.STATUS_STOPPED
+        other = make_pool(BigStepJob(big=-1))  # its start reaps
+        assert _state(pid) == "gone"
+        assert not [p for p, _ in shardio.pool._EXITING if p.pid == pid]
+        assert [value(r, m) for _s, r, m in other.run({}, range(2))] == [(64, 0), (64, 1)]
+
+
+def test_a_loader_that_does_not_persist_stops_its_workers_without_waiting(
+        tmp_path: Path) -> None:
+    """persistent_workers=False: the iteration's end stops the workers without waiting for
+    their exit (they are still there when it returns, stopped here by SIGSTOP from inside the
+    last step), the next iteration runs on new ones, and close() leaves nothing: the stopped
+    workers are killed at their deadline."""
+    src = pack_text(tmp_path, 24, 6)
+    loader = ShardLoader(ShardDataset(src, batch_size=4), 4, num_workers=2,
+                         persistent_workers=False, **FAST)
+    t = threading.Timer(60, lambda: [os.kill(p, signal.SIGKILL) for p in loader._pool.pids()]
+                        if loader._pool else None)
+    t.start()
+    first: list[int] = []
+    try:
+        n = 0
+        for _batch in loader:
+            n += 1
+            if n == 6:  # the last batch: both workers delivered everything
+                first = loader._pool.pids()
+                _sigstop(first)
+        assert n == 6 and len(first) == 2
+        assert all(_state(pid) == psutil.STATUS_STOPPED for pid in first)
+        assert sorted(p.pid for p in loader._exiting) == sorted(first)
+        assert sum(1 for _ in loader) == 6  # new workers
+        loader.close()  # waits: join_timeout (5 s), SIGTERM (pending), SIGKILL
+        assert [_state(pid) for pid in first] == ["gone", "gone"]
+        assert loader._exiting == []
+        assert not [p for p, _ in shardio.pool._EXITING if p.pid in first]
+    finally:
+        t.cancel()
+        with _killed_at_the_end(first):
+            loader.close()
