@@ -5,7 +5,9 @@ checksum, the manifest's own digest, parity files), truncation at any point (siz
 so a cut at a tar member boundary, which tar itself accepts, is caught; a manifest must also be
 byte for byte what shardio writes, so a cut of its final newline is caught), missing shards and
 parity files, shard and parity files in the dataset directory that the manifest does not list,
-and an edited manifest (one whose values have the wrong JSON type included).  Whatever is wrong,
+and an edited manifest (one whose values have the wrong JSON type included).  In a damaged tar
+shard it also locates damage no field checksum covers: member headers, pax and long-name blocks,
+zero padding and end-of-archive blocks (:mod:`shardio.formats.tarcheck`).  Whatever is wrong,
 the finding is a :class:`Problem`, never an exception.
 
 A damaged HDF5 shard (its digest does not match) is never parsed in this process: a flipped bit
@@ -23,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import replace
 from multiprocessing import get_context
 from typing import Any
 
@@ -33,6 +36,7 @@ from .checksum import digest_bytes, file_digest
 from .codec import FLAG_ZSTD, Codec
 from .errors import ShardioError
 from .formats import Problem, ShardIndex, load_index, verify_fields
+from .formats.tarcheck import tar_structure_problems
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, _body_digest, _canonical_json
 from .parity import PARITY_DIR, PARITY_FILE
 from .reader import load_codec
@@ -89,19 +93,21 @@ def _load_index_isolated(fmt: str, path: str, timeout: float = _PARSE_TIMEOUT) -
 
 
 def _verify_shard(root: str, fmt: str, entry: ShardEntry, algorithm: str,
-                  codec: Codec | None = None) -> list[Problem]:
+                  codec: Codec | None = None, packed: bool = True) -> list[Problem]:
     problems: list[Problem] = []
     try:
-        _check_shard(root, fmt, entry, algorithm, problems, codec)
+        _check_shard(root, fmt, entry, algorithm, problems, codec, packed)
     except Exception as exc:  # noqa: BLE001  (a finding, not a crash: the rest is still checked)
         problems.append(Problem(entry.path, f"cannot verify ({type(exc).__name__}: {exc})"))
     return problems
 
 
 def _check_shard(root: str, fmt: str, entry: ShardEntry, algorithm: str,
-                 problems: list[Problem], codec: Codec | None = None) -> None:
-    """Append what is wrong with one shard: its bytes, its index, every field's checksum, and
-    whether its compressed fields decode with the dataset's ``codec`` (None: the manifest's
+                 problems: list[Problem], codec: Codec | None = None, packed: bool = True) -> None:
+    """Append what is wrong with one shard: its bytes, its index, every field's checksum, the
+    tar structure around the fields of a damaged tar shard (``packed``: shardio wrote it, rather
+    than another tool whose tar ``shardio index`` read; see :mod:`shardio.formats.tarcheck`),
+    and whether its compressed fields decode with the dataset's ``codec`` (None: the manifest's
     compression settings or dictionary could not be loaded, a problem reported already)."""
     path = resolve_in(root, entry.path)
     if not os.path.exists(path):
@@ -144,6 +150,11 @@ def _check_shard(root: str, fmt: str, entry: ShardEntry, algorithm: str,
     fields = verify_fields(path, index)
     problems.extend(Problem(entry.path, p.what, p.key, p.field, p.offset, p.expected, p.found)
                     for p in fields)
+    if damaged and fmt == "tar":
+        # Headers, padding and end blocks: only the digest covers them, which says nothing of
+        # where.  (An intact shard is skipped: its bytes are what was packed or indexed.)
+        problems.extend(replace(p, path=entry.path)
+                        for p in tar_structure_problems(path, index, packed, entry.bytes))
     if not fields:
         _check_decode(path, entry, index, codec, problems)
 
@@ -305,8 +316,11 @@ def verify_dataset(root: str | os.PathLike[str], workers: int = 1) -> list[Probl
         codec: Codec | None = load_codec(root, manifest)
     except ShardioError:  # a bad dictionary file: listed by _manifest_problems
         codec = None
+    # A dataset `shardio index` made is tars another tool wrote (pax headers, other mtimes, ...).
+    packed = not (manifest.stats.get("indexed_in_place")
+                  or manifest.created_by.endswith("(index)"))
     jobs: list[tuple[str, Callable[..., list[Problem]], tuple[Any, ...]]] = [
-        (e.path, _verify_shard, (root, manifest.shard_format, e, manifest.digest, codec))
+        (e.path, _verify_shard, (root, manifest.shard_format, e, manifest.digest, codec, packed))
         for e in manifest.shards]
     jobs += [(str(rel), _verify_parity_file, (root, rel, size, digest, manifest.digest))
              for rel, size, digest in parity]

@@ -328,16 +328,81 @@ class CorruptionTests:
 class TestTarCorruption(CorruptionTests):
     fmt = "tar"
 
-    def test_flipped_bit_in_tar_header(self, cli: CLI, ds: Path) -> None:
-        rel = self.shard_rel(0)
-        digest_before = shardio.Manifest.load(str(ds)).shards[0].digest
-        with tarfile.open(ds / rel) as tf:
-            member = tf.getmembers()[1]
-        flip_bit(ds / rel, member.offset + 3, bit=1)  # a byte of the member's name
+    def padded_field(self, ds: Path, shard: int) -> dict[str, Any]:
+        """``field_location`` of the first field of ``shard`` whose data does not end on a block
+        boundary (so zero padding follows it)."""
+        with shardio.open_dataset(ds) as reader:
+            idx: ShardIndex = reader.shard_index(shard)
+            for i in range(len(idx)):
+                for r in idx.rows(i):
+                    if i and int(idx.f_length[r]) % 512:
+                        return {"rel": reader.manifest.shards[shard].path,
+                                "path": reader.shard_path(shard), "key": idx.key(i),
+                                "field": idx.field_names[int(idx.f_name[r])],
+                                "offset": int(idx.f_offset[r]), "length": int(idx.f_length[r])}
+        raise AssertionError("no such field")
+
+    # A flipped bit where no field checksum looks: only the shard digest covered it, and verify
+    # said "shard digest mismatch" and no more, while GNU tar and WebDataset misread the member.
+    @pytest.mark.parametrize("where", ["name", "size", "checksum"])
+    def test_flipped_bit_in_tar_header(self, where: str, cli: CLI, ds: Path) -> None:
+        loc = self.padded_field(ds, shard=2)
+        rel, header = loc["rel"], loc["offset"] - 512
+        digest_before = shardio.Manifest.load(str(ds)).shards[2].digest
+        before = Path(loc["path"]).read_bytes()[header:header + 512]
+        at = header + {"name": 3, "size": 124 + 9, "checksum": 148 + 3}[where]
+        flip_bit(loc["path"], at, bit=1)
+        after = Path(loc["path"]).read_bytes()[header:header + 512]
+        expected, found = {
+            "name": (repr(f"{loc['key']}.{loc['field']}"),
+                     repr(after[:100].rstrip(b"\0").decode())),
+            "size": (f"{loc['length']} bytes", f"{int(after[124:135], 8)} bytes"),
+            "checksum": (f"{int(before[148:154], 8):06o} (the block's byte sum)",
+                         repr(after[148:156])),
+        }[where]
         rc, lines = run_verify(cli, ds)
         assert rc == 1
-        assert lines == [f"{rel}: shard digest mismatch expected={digest_before} "
-                         f"found={file_digest(str(ds / rel))[0]}"]
+        assert lines == [
+            (f"{rel}: shard digest mismatch expected={digest_before} "
+             f"found={file_digest(loc['path'])[0]}"),
+            (f"{rel}: damaged tar header ({where}) key={loc['key']!r} field={loc['field']!r} "
+             f"offset={header} expected={expected} found={found}")]
+
+    @pytest.mark.parametrize("where", ["first", "last"])
+    def test_flipped_bit_in_tar_padding(self, where: str, cli: CLI, ds: Path) -> None:
+        loc = self.padded_field(ds, shard=3)
+        end = loc["offset"] + loc["length"]
+        at = end if where == "first" else end + -end % 512 - 1
+        flip_bit(loc["path"], at, bit=6)
+        rc, lines = run_verify(cli, ds)
+        assert rc == 1 and len(lines) == 2 and "shard digest mismatch" in lines[0]
+        assert lines[1] == (f"{loc['rel']}: non-zero bytes in the tar padding after the field "
+                            f"key={loc['key']!r} field={loc['field']!r} offset={at} "
+                            "expected=zero bytes found=1 non-zero byte(s)")
+
+    @pytest.mark.parametrize("workers", [1, 2])
+    @pytest.mark.parametrize("where", ["first", "last"])
+    def test_flipped_bit_in_tar_end_blocks(self, where: str, workers: int, cli: CLI,
+                                           ds: Path) -> None:
+        rel = self.shard_rel(4)
+        size = os.path.getsize(ds / rel)
+        at = size - 1024 if where == "first" else size - 1
+        flip_bit(ds / rel, at, bit=0)
+        rc, lines = run_verify(cli, ds, workers)
+        assert rc == 1 and len(lines) == 2 and "shard digest mismatch" in lines[0]
+        assert lines[1] == (f"{rel}: non-zero bytes in the tar end-of-archive blocks "
+                            f"offset={at} expected=zero bytes found=1 non-zero byte(s)")
+
+    def test_damaged_header_and_field_each_one_line(self, cli: CLI, ds: Path) -> None:
+        """Damage in a header and in a field's data of one shard: a line for each, no more."""
+        loc = self.padded_field(ds, shard=1)
+        flip_bit(loc["path"], loc["offset"] - 512 + 124 + 10, bit=0)  # the size field
+        flip_bit(loc["path"], loc["offset"], bit=0)
+        rc, lines = run_verify(cli, ds)
+        assert rc == 1 and len(lines) == 3, lines
+        assert lines[1].startswith(f"{loc['rel']}: checksum mismatch key={loc['key']!r}")
+        assert lines[2].startswith(f"{loc['rel']}: damaged tar header (size) key={loc['key']!r} "
+                                   f"field={loc['field']!r} offset={loc['offset'] - 512} ")
 
     def test_flipped_bit_in_index_file(self, cli: CLI, ds: Path) -> None:
         rel = self.shard_rel(2) + ".idx"

@@ -660,3 +660,119 @@ def test_a_problem_with_a_newline_in_its_path_is_one_line(cli: CLI, tmp_path: Pa
     rc, lines = run_verify(cli, tmp_path)
     assert rc == 1 and len(lines) == 2, lines
     assert all(x.startswith("'part\\nA.tar': ") for x in lines), lines
+
+
+# --- defect: damage in tar headers, padding and end blocks named no key nor offset --------------
+# (The same damage in shards shardio packed: tests/test_formats_corruption.py TestTarCorruption.)
+
+def other_tools_tars(tool: str, root: Path) -> list[Path]:
+    """Tars as other tools write them, in ``root``: webdataset's ShardWriter (a pax header with
+    a fractional mtime before every member), or GNU tar in its gnu or posix format (directory
+    members, members without an extension and ``__x__`` ones, which the index skips, a
+    ``././@LongLink`` record or pax ``path`` for a long name, an upper-case extension, padding of
+    the end to a 10 KiB record)."""
+    import webdataset as wds
+
+    root.mkdir()
+    if tool == "webdataset":
+        with wds.ShardWriter(str(root / "part-%04d.tar"), maxcount=5, verbose=0) as sink:
+            for i in range(8):
+                sink.write({"__key__": f"sample{i:04d}", "txt": f"caption {i}".encode(),
+                            "cls": str(i % 3).encode(), "bin": bytes(range(i % 7)) * (i * 40)})
+        return sorted(root.glob("*.tar"))
+    src = root.parent / "src"
+    long_dir = src / ("d" * 70) / ("e" * 60)
+    long_dir.mkdir(parents=True)
+    for i in range(3):
+        (src / f"s{i}.txt").write_text(f"caption {i} " * (i + 1))
+        (src / f"s{i}.CLS").write_text(str(i))
+    (long_dir / "x.json").write_text("{}")
+    (src / "README").write_text("no extension: skipped")
+    (src / "__meta__").write_text("skipped too")
+    tar = root / "all.tar"
+    subprocess.run(["tar", f"--format={tool.split('_')[1]}", "--sort=name", "-cf", str(tar),
+                    "-C", str(src), "."], check=True, timeout=30)
+    return [tar]
+
+
+TOOLS = ["webdataset", "gnutar_gnu", "gnutar_posix"]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tars_of_other_tools_pass_the_tar_structure_check(tool: str, cli: CLI,
+                                                          tmp_path: Path) -> None:
+    """Verify checks the tar structure of a damaged shard only, by meaning for a tar another
+    tool wrote: run on the intact tars, it finds nothing in their pax headers, long names,
+    mtimes, skipped members or end records."""
+    from shardio.formats import load_index
+    from shardio.formats.tarcheck import tar_structure_problems
+
+    tars = other_tools_tars(tool, tmp_path / "ds")
+    manifest = index_tars(tars)
+    assert run_verify(cli, tmp_path / "ds") == (0, [])
+    for tar, entry in zip(tars, manifest.shards, strict=True):
+        index = load_index("tar", str(tar))
+        assert len(index) and tar_structure_problems(str(tar), index, False, entry.bytes) == []
+
+
+def member_headers(tar: Path) -> list[tuple[str, int, int]]:
+    """``(name, offset of its last header block, data size)`` of each regular member."""
+    with tarfile.open(tar) as tf:
+        return [(m.name, m.offset_data - 512, m.size) for m in tf.getmembers() if m.isreg()]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("where", ["name", "size", "padding", "end"])
+def test_damage_in_the_tar_structure_of_another_tools_tar(tool: str, where: str, cli: CLI,
+                                                          tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    tars = other_tools_tars(tool, ds)
+    index_tars(tars)
+    tar = tars[0]
+    name, header, size = next(m for m in member_headers(tar) if m[0].endswith(".txt"))
+    key = name[:name.index(".", name.rfind("/") + 1)]
+    end = header + 512 + size
+    at = {"name": header + name.rindex(".") - 1, "size": header + 124 + 10, "padding": end + 1,
+          "end": os.path.getsize(tar) - 1}[where]
+    flip_bit(tar, at, bit=0)
+    rc, lines = run_verify(cli, ds)
+    assert rc == 1 and len(lines) == 2 and "shard digest mismatch" in lines[0], lines
+    rel = tar.name
+    if where in ("name", "size"):
+        assert lines[1].startswith(f"{rel}: damaged tar header ({where}, checksum) key={key!r} "
+                                   f"field='txt' offset={header} "), lines
+    elif where == "padding":
+        assert lines[1] == (f"{rel}: non-zero bytes in the tar padding after the field "
+                            f"key={key!r} field='txt' offset={at} expected=zero bytes "
+                            "found=1 non-zero byte(s)")
+    else:
+        assert lines[1] == (f"{rel}: non-zero bytes in the tar end-of-archive blocks "
+                            f"offset={at} expected=zero bytes found=1 non-zero byte(s)")
+
+
+def test_tar_structure_of_packed_names_that_need_pax_headers(cli: CLI, tmp_path: Path) -> None:
+    """A shardio shard's pax-named members (a long and a non-ASCII key) are checked by meaning:
+    the name is the pax ``path`` record, where a flipped bit shows."""
+    from shardio.formats import load_index
+    from shardio.formats.tarcheck import tar_structure_problems
+
+    src = tmp_path / "src"
+    long_key = "d" * 70 + "/" + "e" * 60 + "/x"
+    for key in (long_key, "ünï/cödé", "plain"):
+        (src / key).parent.mkdir(parents=True, exist_ok=True)
+        (src / f"{key}.txt").write_text(key)
+    ds = tmp_path / "ds"
+    entry = pack_into(src, ds, "tar").shards[0]
+    path = str(ds / entry.path)
+    index = load_index("tar", path)
+    assert tar_structure_problems(path, index, True, entry.bytes) == []
+    name, header, _size = member_headers(Path(path))[0]
+    assert name == f"{long_key}.txt"
+    data = Path(path).read_bytes()
+    record = data.index(b"path=" + long_key.encode())  # in the pax header's data block
+    flip_bit(path, record + 5 + 10, bit=0)
+    rc, lines = run_verify(cli, ds)
+    assert rc == 1 and len(lines) == 2, lines
+    damaged = long_key[:10] + chr(ord(long_key[10]) ^ 1) + long_key[11:] + ".txt"
+    assert lines[1] == (f"{entry.path}: damaged tar header (name) key={long_key!r} field='txt' "
+                        f"offset={header} expected={name!r} found={damaged!r}")
