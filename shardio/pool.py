@@ -812,7 +812,7 @@ class WorkerPool:
         self._started = self._ctx.RawArray("q", [0] * options.num_workers)
         self._workers: list[_Worker] = []
         self._closed = False
-        # Workers a close(wait=False) left to the reaper (see *Closing without waiting*).
+        # Workers a close(wait=False) did not wait for (see *Closing without waiting*).
         self.exiting: list[Any] = []
         self.restarts = 0
         # Signals the workers ignore (besides SIGINT, SIGUSR1, SIGUSR2): the owner may change
@@ -1181,8 +1181,8 @@ class WorkerPool:
         """Stop workers (join → terminate → kill, bounded) and release the rings.
 
         ``wait=False``: the workers are told to stop and their pipes and rings let go of, but
-        their exits are left to a background thread (see *Closing without waiting*):
-        :attr:`exiting` lists them, :func:`reap_exiting` waits for them.
+        nothing waits for their exits here (see *Closing without waiting*): :attr:`exiting`
+        lists them, :func:`reap_exiting` reaps them.
 
         Interrupted (Ctrl-C while it waits for the workers), it kills the workers that are
         left and reaps them before the exception goes on; what it did not do yet (the rings)
