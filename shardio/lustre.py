@@ -57,6 +57,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import math
 import os
 import re
 import struct
@@ -79,6 +80,8 @@ __all__ = [
 
 T = TypeVar("T")
 KiB, MiB = 1 << 10, 1 << 20
+# The most one coalesced read takes at once on Lustre (read_block_size), whatever the stripe.
+MAX_READ_BLOCK = 64 * MiB
 LUSTRE_EOF = (1 << 64) - 1
 LOV_MAGIC_V1, LOV_MAGIC_V3, LOV_MAGIC_SPECIFIC = 0x0BD10BD0, 0x0BD30BD0, 0x0BD50BD0
 LOV_MAGIC_COMP_V1, LOV_MAGIC_FOREIGN = 0x0BD60BD0, 0x0BD70BD0
@@ -756,16 +759,37 @@ def get_layout(path: str, probe: FsProbe | None = None) -> Layout | None:
 # --- reading and ordering ----------------------------------------------------------------------
 
 
-def read_block_size(layout: Layout | None, minimum: int = 4 * MiB) -> int:
+def read_block_size(layout: Layout | None, minimum: int = 4 * MiB,
+                    maximum: int = MAX_READ_BLOCK) -> int:
     """The read size for a file: the smallest multiple of its stripe size >= ``minimum``.
 
+    A stripe larger than ``maximum`` (Lustre allows up to 4 GiB - 64 KiB) is not read whole:
+    the block is then the largest divisor of the stripe that is a multiple of 64 KiB and at
+    most ``maximum``, so aligned reads still never cross a stripe boundary while one read (and
+    the buffer that holds it, in every worker) stays bounded.
+
     Raises:
-        UsageError: ``minimum`` is not positive.
+        UsageError: ``minimum`` or ``maximum`` is not positive.
     """
-    if minimum <= 0:
-        raise UsageError(f"minimum read size must be positive, got {minimum}")
+    if minimum <= 0 or maximum <= 0:
+        raise UsageError(f"read sizes must be positive, got minimum {minimum}, maximum {maximum}")
     stripe = layout.stripe_size if layout is not None else 0
-    return minimum if stripe <= 0 else -(-minimum // stripe) * stripe
+    if stripe <= 0:
+        return minimum
+    block = -(-minimum // stripe) * stripe
+    if block <= maximum:
+        return block
+    if stripe <= maximum:
+        return maximum // stripe * stripe
+    if stripe % LOV_MIN_STRIPE_SIZE:
+        return stripe  # not a valid Lustre stripe size: read it as it is
+    units, most = stripe // LOV_MIN_STRIPE_SIZE, max(1, maximum // LOV_MIN_STRIPE_SIZE)
+    return LOV_MIN_STRIPE_SIZE * max(d for d in _divisors(units) if d <= most)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in small]
 
 
 def align_down(offset: int, block: int) -> int:

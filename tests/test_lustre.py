@@ -31,6 +31,7 @@ from shardio.lustre import (
     get_layout,
     parse_getstripe,
     parse_lov,
+    MAX_READ_BLOCK,
     read_block_size,
     spread_by_ost,
 )
@@ -686,6 +687,38 @@ def test_read_block_size_and_alignment() -> None:
                 lambda: aligned_span(4, 2, 4)):
         with pytest.raises(UsageError):
             bad()
+
+
+UNIT = 64 << 10  # Lustre stripe sizes are multiples of 64 KiB
+
+
+@pytest.mark.parametrize("units,want_units", [
+    (1024, 1024),    # 64 MiB: the largest stripe read whole
+    (4096, 1024),    # 256 MiB: a quarter at a time
+    (49152, 1024),   # 3 GiB = 48 x 64 MiB
+    (1536, 768),     # 96 MiB: its largest divisor up to 1024 units is 768 (48 MiB)
+    (1009, 1009),    # a prime number of units up to the maximum: whole
+    (1031, 1),       # a prime above it: one unit at a time, never across a stripe boundary
+    (65535, 771),    # the largest stripe Lustre allows, 4 GiB - 64 KiB: 65535 = 3*5*17*257
+])
+def test_read_block_size_bounded_for_huge_stripes(units: int, want_units: int) -> None:
+    """A stripe of up to 4 GiB is not read (and buffered, in every worker) whole: the block is
+    the largest 64 KiB-multiple divisor of the stripe up to 64 MiB, so aligned blocks still
+    never cross a stripe boundary."""
+    layout = parse_lov(pack_lmm(LOV_MAGIC_V1, units * UNIT, 1))
+    block = read_block_size(layout)
+    assert block == want_units * UNIT
+    assert block <= MAX_READ_BLOCK == 64 * MiB and (units * UNIT) % block == 0
+    assert read_block_size(layout, minimum=units * UNIT) == block
+
+
+def test_read_block_size_maximum() -> None:
+    # a minimum above the maximum with small stripes stops at the maximum (a multiple of them)
+    assert read_block_size(parse_lov(v1_four()), minimum=GiB) == MAX_READ_BLOCK
+    assert read_block_size(parse_lov(pack_lmm(LOV_MAGIC_V1, 3 * MiB, 1)), minimum=GiB) == 63 * MiB
+    assert read_block_size(None, minimum=8 * MiB, maximum=MiB) == 8 * MiB  # no stripe: as asked
+    with pytest.raises(UsageError, match="maximum"):
+        read_block_size(None, maximum=0)
 
 
 def test_spread_by_ost_example() -> None:

@@ -104,6 +104,22 @@ def test_reader_uses_stripe_multiples_and_spreads_over_osts(
     assert len(list(r)) == m.num_samples
 
 
+def test_reader_bounds_its_reads_on_huge_stripes(
+        image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2 GiB stripe made every coalesced read (and each worker's read buffer) 2 GiB."""
+    root = tmp_path / "lustre" / "ds"
+    pack(image_tree, root, PackOptions(samples_per_shard=6, fsync=False))
+    probe = fake_lustre(monkeypatch, tmp_path / "lustre")
+    m = Manifest.load(root)
+    for i, entry in enumerate(m.shards):
+        probe.xattrs[os.path.realpath(root / entry.path)] = {
+            "lustre.lov": pack_lmm(LOV_MAGIC_V1, 2 << 30, 1, oi=(i + 1, 1), offset=0, osts=[0])}
+    with DatasetReader(root) as r:
+        assert r.on_lustre
+        assert r.read_block == 64 << 20  # a divisor of the stripe: reads never cross one
+        assert len(list(r)) == m.num_samples
+
+
 def test_a_missing_shard_is_not_blamed_on_another_during_the_lustre_probe(
         image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stripe size is probed on the first shard that answers and OST spreading treats an
