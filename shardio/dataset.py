@@ -299,6 +299,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         cursor = self._cursor if info is None else self._worker_cursor(info)
         plan = self._plan(cursor)
         order = self._order()
+        gen = self._position_gen  # (see the end of this iteration)
         if info is None:
             self._iterated_here = True
             self._delivered = 0
@@ -311,7 +312,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self.reader.prefer_cache()
         steps = plan.worker_steps(worker, workers)
         try:
-            yield from self._steps(steps, order, plan, cursor, info)
+            yield from self._steps(steps, order, plan, cursor, info, gen)
         finally:
             if self.cache is not None:
                 # Done reading, or stopped: a report left behind would hold the stager's
@@ -319,15 +320,22 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 # DataLoader workers took over) for the rest of the job.
                 self.cache.withdraw()
         if info is None:
-            # The epoch is over: a later iteration without set_epoch() replays it from the start.
-            self._cursor = 0
-            self._finished = True
+            if self._position_gen == gen:
+                # The epoch is over: a later iteration without set_epoch() replays it from the
+                # start.  (Unless the position was set while this iteration ran, by set_epoch
+                # to another epoch or load_state_dict: that position is the next iteration's,
+                # of which nothing was delivered.  Before, the end of this one overwrote it:
+                # with set_epoch(e + 1) called before the loop of epoch e was over, the
+                # checkpoint after the loop said epoch e + 1 was all delivered.)
+                self._cursor = 0
+                self._finished = True
         else:
             self._worker_finished(info)
 
     def _steps(self, steps: Sequence[int], order: EpochOrder, plan: RankPlan, cursor: int,
-               info: Any) -> Iterator[Any]:
-        """The samples of ``steps`` (this worker's steps of the epoch from ``cursor``)."""
+               info: Any, gen: int) -> Iterator[Any]:
+        """The samples of ``steps`` (this worker's steps of the epoch from ``cursor``); in this
+        process they count as delivered while the position is still generation ``gen``."""
         keep_spare = self.options.on_corrupt == "skip"
         spare: dict[str, Any] | None = None  # the last sample read, for skipped ones
         ahead: np.ndarray | None = None
@@ -344,13 +352,13 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 if keep_spare:
                     spare = sample
                 out = self._prepare(sample)
-                if info is None:
+                if info is None and self._position_gen == gen:
                     self._delivered += 1
                 yield out
             for _ in range(len(ids) - n):  # skipped (on_corrupt="skip"): keep the step full
                 spare = repeat_for_skipped(self.reader, ids, spare)
                 out = self._prepare(spare)
-                if info is None:
+                if info is None and self._position_gen == gen:
                     self._delivered += 1
                 yield out
 

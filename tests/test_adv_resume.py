@@ -1,0 +1,74 @@
+"""Adversarial resume and order checks: positions set while an iteration runs, and other
+corners of ``state_dict``/``load_state_dict`` that the main suites do not reach.
+
+Real components only: datasets packed by ``shardio.pack``, torch's ``DataLoader``, and
+``ShardLoader`` with its worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.utils.data import DataLoader
+
+import shardio
+
+N = 13  # samples: 3 full batches of 4 and a partial one
+
+
+def collate_keys(batch: list[dict[str, Any]]) -> list[str]:
+    return [s["__key__"] for s in batch]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """13 samples in 4 shards of <= 4."""
+    base = tmp_path_factory.mktemp("adv_resume")
+    src = base / "src"
+    for i in range(N):
+        d = src / f"c{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"s{i:04d}.txt").write_text(f"sample {i}")
+    shardio.pack(src, base / "ds", samples_per_shard=4, label_from_dir=True, fsync=False,
+                 progress=False)
+    return base / "ds"
+
+
+def keys(batches: Any) -> list[str]:
+    return [k for b in batches for k in b]
+
+
+def test_set_epoch_before_the_loop_is_over_is_not_a_delivered_epoch(data: Path) -> None:
+    """``set_epoch(e + 1)`` called in the loop of epoch ``e`` (before DataLoader ran the
+    dataset's iterator to its end): the end of the iteration marked epoch ``e + 1`` as wholly
+    delivered, so the checkpoint after the loop resumed an empty epoch (13 samples lost)."""
+    ds = shardio.ShardDataset(data, batch_size=4, seed=1)
+    dl = DataLoader(ds, batch_size=4, num_workers=0, collate_fn=collate_keys)
+    for step, _batch in enumerate(dl):
+        if step == len(dl) - 2:
+            ds.set_epoch(1)
+    state = ds.state_dict()
+    assert (state["epoch"], state["cursor"]) == (1, 0)
+    resumed = shardio.ShardDataset(data, batch_size=4, seed=1)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    epoch1 = keys(DataLoader(resumed, batch_size=4, collate_fn=collate_keys))
+    assert epoch1 == keys(dl) and sorted(epoch1) == sorted(set(epoch1)) and len(epoch1) == N
+
+
+def test_a_state_loaded_while_the_dataset_is_iterated_stands(data: Path) -> None:
+    """``load_state_dict`` during an iteration in this process: the iteration's end overwrote
+    the loaded position (the next iteration replayed the whole epoch, the checkpoint said it was
+    all delivered), and the batches after the load counted from the loaded position."""
+    state = shardio.ShardDataset(data, batch_size=4, seed=1).state_dict(batches=2)
+    ds = shardio.ShardDataset(data, batch_size=4, seed=1)
+    for step, _batch in enumerate(DataLoader(ds, batch_size=4, collate_fn=collate_keys)):
+        if step == 0:
+            ds.load_state_dict(state)
+        assert ds.state_dict()["cursor"] == 8
+    assert ds.state_dict()["cursor"] == 8 and len(ds) == N - 8
+    order = [s["__key__"] for s in shardio.ShardDataset(data, batch_size=4, seed=1)]
+    assert keys(DataLoader(ds, batch_size=4, collate_fn=collate_keys)) == order[8:]
