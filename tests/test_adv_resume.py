@@ -72,3 +72,22 @@ def test_a_state_loaded_while_the_dataset_is_iterated_stands(data: Path) -> None
     assert ds.state_dict()["cursor"] == 8 and len(ds) == N - 8
     order = [s["__key__"] for s in shardio.ShardDataset(data, batch_size=4, seed=1)]
     assert keys(DataLoader(ds, batch_size=4, collate_fn=collate_keys)) == order[8:]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_state_loaded_into_a_running_shardloader_stands(data: Path, workers: int) -> None:
+    """``ShardLoader.load_state_dict`` during an iteration: its end marked the loaded epoch
+    delivered (``state_dict()`` said cursor 13, the next iteration replayed all 13), and the
+    batches it handed out after the load were counted from the loaded position."""
+    state = shardio.ShardDataset(data, batch_size=4, seed=1).state_dict(batches=2)
+    order = [s["__key__"] for s in shardio.ShardDataset(data, batch_size=4, seed=1)]
+    ds = shardio.ShardDataset(data, batch_size=4, seed=1)
+    with shardio.ShardLoader(ds, 4, num_workers=workers, collate_fn=collate_keys) as loader:
+        assert len(keys(loader)) == N  # (a first epoch: the pool is warm)
+        for step, _batch in enumerate(loader):
+            if step == 0:
+                loader.load_state_dict(state)
+            assert loader.state_dict()["cursor"] == 8
+        assert loader.state_dict()["cursor"] == 8 and len(loader) == 2
+        assert keys(loader) == order[8:]
+        assert loader.state_dict()["cursor"] == N
