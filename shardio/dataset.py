@@ -480,7 +480,8 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 observe; counted automatically when iterated in this process.
 
         Raises:
-            UsageError: ``batches`` is needed but missing.
+            UsageError: ``batches`` is needed but missing, or is not an integer from 0 to the
+                batches of this rank's epoch.
         """
         if batches is None:
             if not self._iterated_here or self._shared[2] != self._worker_iters_seen:
@@ -498,21 +499,31 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 batches = self._delivered // self.options.batch_size
         if batches is None:
             cursor = self.num_samples
-        elif self._finished:
-            # The epoch ended here and the resume point went back to its start (a replay):
-            # ``batches`` counts from where that iteration began.  (DataLoader's num_workers=0
-            # runs the iterator to its end while it collates a partial last batch, before the
-            # loop sees that batch.)
-            cursor = self._run_cursor + self._plan(self._run_cursor).consumed(int(batches))
-        elif not self._iterated_here or self._shared[2] != self._worker_iters_seen:
-            # DataLoader workers iterate: ``batches`` counts from where their round began, or,
-            # once it ended (the position then went back to the epoch's start), where the
-            # round that ended began.
-            ended = int(self._shared[_ENDED_START])
-            start = ended if ended >= 0 else int(self._shared[_ROUND_START])
-            cursor = start + self._plan(start).consumed(int(batches))
         else:
-            cursor = self._cursor + self._plan().consumed(int(batches))
+            if self._finished:
+                # The epoch ended here and the resume point went back to its start (a replay):
+                # ``batches`` counts from where that iteration began.  (DataLoader's
+                # num_workers=0 runs the iterator to its end while it collates a partial last
+                # batch, before the loop sees that batch.)
+                start = self._run_cursor
+            elif not self._iterated_here or self._shared[2] != self._worker_iters_seen:
+                # DataLoader workers iterate: ``batches`` counts from where their round began,
+                # or, once it ended (the position then went back to the epoch's start), where
+                # the round that ended began.
+                ended = int(self._shared[_ENDED_START])
+                start = ended if ended >= 0 else int(self._shared[_ROUND_START])
+            else:
+                start = self._cursor
+            plan = self._plan(start)
+            # (A count past the epoch's end, say the run's step count instead of the epoch's,
+            # made a checkpoint that said the epoch was over: the resumed job skipped its rest.)
+            if (isinstance(batches, bool) or not isinstance(batches, numbers.Integral)
+                    or not 0 <= batches <= plan.num_batches):
+                raise UsageError(
+                    f"state_dict(batches={batches!r}): batches must be an integer in [0, "
+                    f"{plan.num_batches}], the batches this rank took in the current epoch "
+                    f"(since it began, set_epoch or load_state_dict), not over the whole run")
+            cursor = start + plan.consumed(int(batches))
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,

@@ -91,3 +91,24 @@ def test_a_state_loaded_into_a_running_shardloader_stands(data: Path, workers: i
         assert loader.state_dict()["cursor"] == 8 and len(loader) == 2
         assert keys(loader) == order[8:]
         assert loader.state_dict()["cursor"] == N
+
+
+def test_state_dict_refuses_a_batch_count_the_epoch_cannot_have(data: Path) -> None:
+    """``state_dict(batches=global_step)`` (the run's count, not the epoch's) in the second
+    epoch was clipped to the epoch's end: the checkpoint said epoch 1 was over after 2 of its 4
+    batches, and the resumed job skipped the other 9 samples.  Negative, fractional, bool and
+    string counts were taken too (-1 and 2.5 as silently wrong positions)."""
+    from shardio.errors import UsageError
+
+    ds = shardio.ShardDataset(data, batch_size=4, seed=1)
+    ds.set_epoch(1)
+    dl = DataLoader(ds, batch_size=4, num_workers=1, collate_fn=collate_keys)
+    for step, _batch in enumerate(dl):
+        if step == 1:
+            with pytest.raises(UsageError, match=r"integer in \[0, 4\].*whole run"):
+                ds.state_dict(batches=4 + step + 1)  # epoch 0's 4 batches counted in
+            assert ds.state_dict(batches=step + 1)["cursor"] == 8
+    for bad in (-1, 2.5, True, "3", 5):
+        with pytest.raises(UsageError, match="batches must be an integer"):
+            ds.state_dict(batches=bad)
+    assert ds.state_dict(batches=4)["cursor"] == N
