@@ -282,7 +282,9 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         if self.options.order == "global":
             return {"kind": "global"}
         c, u, q = self._node_params(batch_size or self.options.batch_size, settle=False)
-        return {"kind": "node", "canonical_nodes": c, "slice_size": u, "canonical_ranks": q}
+        # The remainder too: the node order's last round, hence its groups, depend on it.
+        return {"kind": "node", "canonical_nodes": c, "slice_size": u, "canonical_ranks": q,
+                "remainder": self.options.remainder}
 
     # --- iteration ---------------------------------------------------------------------------
     def _prepare(self, sample: dict[str, Any]) -> Any:
@@ -612,6 +614,15 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             if min(params) < 1:
                 raise UsageError(f"state order {theirs_order!r} has node-order parameters "
                                  "below 1: pass the dict state_dict() returned, unchanged")
+            theirs_rem = theirs_order.get("remainder", o.remainder)  # (older states: unknown)
+            if theirs_rem != o.remainder and params[0] > 1 and 0 < cursor < self.num_samples:
+                # The epoch's order depends on it (the groups are cut for the last round; not
+                # with one group): the rest of the epoch under another remainder repeats some
+                # delivered samples and never delivers others.
+                raise UsageError(
+                    f"state was taken mid-epoch with order='node' and remainder={theirs_rem!r}, "
+                    f"this dataset uses remainder={o.remainder!r}, which changes that epoch's "
+                    f"order; construct the dataset with remainder={theirs_rem!r} to resume")
             if self._stager is not None and params != self._node_order:
                 # Started before (set_epoch first), it plans with the order it forked with:
                 # the next _start_staging forks one that follows this one.
