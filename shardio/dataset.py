@@ -282,7 +282,9 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         if self.options.order == "global":
             return {"kind": "global"}
         c, u, q = self._node_params(batch_size or self.options.batch_size, settle=False)
-        return {"kind": "node", "canonical_nodes": c, "slice_size": u, "canonical_ranks": q}
+        # The remainder too: the node order's last round, hence its groups, depend on it.
+        return {"kind": "node", "canonical_nodes": c, "slice_size": u, "canonical_ranks": q,
+                "remainder": self.options.remainder}
 
     # --- iteration ---------------------------------------------------------------------------
     def _prepare(self, sample: dict[str, Any]) -> Any:
@@ -299,6 +301,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         cursor = self._cursor if info is None else self._worker_cursor(info)
         plan = self._plan(cursor)
         order = self._order()
+        gen = self._position_gen  # (see the end of this iteration)
         if info is None:
             self._iterated_here = True
             self._delivered = 0
@@ -311,7 +314,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self.reader.prefer_cache()
         steps = plan.worker_steps(worker, workers)
         try:
-            yield from self._steps(steps, order, plan, cursor, info)
+            yield from self._steps(steps, order, plan, cursor, info, gen)
         finally:
             if self.cache is not None:
                 # Done reading, or stopped: a report left behind would hold the stager's
@@ -319,15 +322,22 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 # DataLoader workers took over) for the rest of the job.
                 self.cache.withdraw()
         if info is None:
-            # The epoch is over: a later iteration without set_epoch() replays it from the start.
-            self._cursor = 0
-            self._finished = True
+            if self._position_gen == gen:
+                # The epoch is over: a later iteration without set_epoch() replays it from the
+                # start.  (Unless the position was set while this iteration ran, by set_epoch
+                # to another epoch or load_state_dict: that position is the next iteration's,
+                # of which nothing was delivered.  Before, the end of this one overwrote it:
+                # with set_epoch(e + 1) called before the loop of epoch e was over, the
+                # checkpoint after the loop said epoch e + 1 was all delivered.)
+                self._cursor = 0
+                self._finished = True
         else:
             self._worker_finished(info)
 
     def _steps(self, steps: Sequence[int], order: EpochOrder, plan: RankPlan, cursor: int,
-               info: Any) -> Iterator[Any]:
-        """The samples of ``steps`` (this worker's steps of the epoch from ``cursor``)."""
+               info: Any, gen: int) -> Iterator[Any]:
+        """The samples of ``steps`` (this worker's steps of the epoch from ``cursor``); in this
+        process they count as delivered while the position is still generation ``gen``."""
         keep_spare = self.options.on_corrupt == "skip"
         spare: dict[str, Any] | None = None  # the last sample read, for skipped ones
         ahead: np.ndarray | None = None
@@ -344,13 +354,13 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 if keep_spare:
                     spare = sample
                 out = self._prepare(sample)
-                if info is None:
+                if info is None and self._position_gen == gen:
                     self._delivered += 1
                 yield out
             for _ in range(len(ids) - n):  # skipped (on_corrupt="skip"): keep the step full
                 spare = repeat_for_skipped(self.reader, ids, spare)
                 out = self._prepare(spare)
-                if info is None:
+                if info is None and self._position_gen == gen:
                     self._delivered += 1
                 yield out
 
@@ -472,7 +482,8 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 observe; counted automatically when iterated in this process.
 
         Raises:
-            UsageError: ``batches`` is needed but missing.
+            UsageError: ``batches`` is needed but missing, or is not an integer from 0 to the
+                batches of this rank's epoch.
         """
         if batches is None:
             if not self._iterated_here or self._shared[2] != self._worker_iters_seen:
@@ -490,21 +501,31 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 batches = self._delivered // self.options.batch_size
         if batches is None:
             cursor = self.num_samples
-        elif self._finished:
-            # The epoch ended here and the resume point went back to its start (a replay):
-            # ``batches`` counts from where that iteration began.  (DataLoader's num_workers=0
-            # runs the iterator to its end while it collates a partial last batch, before the
-            # loop sees that batch.)
-            cursor = self._run_cursor + self._plan(self._run_cursor).consumed(int(batches))
-        elif not self._iterated_here or self._shared[2] != self._worker_iters_seen:
-            # DataLoader workers iterate: ``batches`` counts from where their round began, or,
-            # once it ended (the position then went back to the epoch's start), where the
-            # round that ended began.
-            ended = int(self._shared[_ENDED_START])
-            start = ended if ended >= 0 else int(self._shared[_ROUND_START])
-            cursor = start + self._plan(start).consumed(int(batches))
         else:
-            cursor = self._cursor + self._plan().consumed(int(batches))
+            if self._finished:
+                # The epoch ended here and the resume point went back to its start (a replay):
+                # ``batches`` counts from where that iteration began.  (DataLoader's
+                # num_workers=0 runs the iterator to its end while it collates a partial last
+                # batch, before the loop sees that batch.)
+                start = self._run_cursor
+            elif not self._iterated_here or self._shared[2] != self._worker_iters_seen:
+                # DataLoader workers iterate: ``batches`` counts from where their round began,
+                # or, once it ended (the position then went back to the epoch's start), where
+                # the round that ended began.
+                ended = int(self._shared[_ENDED_START])
+                start = ended if ended >= 0 else int(self._shared[_ROUND_START])
+            else:
+                start = self._cursor
+            plan = self._plan(start)
+            # (A count past the epoch's end, say the run's step count instead of the epoch's,
+            # made a checkpoint that said the epoch was over: the resumed job skipped its rest.)
+            if (isinstance(batches, bool) or not isinstance(batches, numbers.Integral)
+                    or not 0 <= batches <= plan.num_batches):
+                raise UsageError(
+                    f"state_dict(batches={batches!r}): batches must be an integer in [0, "
+                    f"{plan.num_batches}], the batches this rank took in the current epoch "
+                    f"(since it began, set_epoch or load_state_dict), not over the whole run")
+            cursor = start + plan.consumed(int(batches))
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -593,6 +614,15 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             if min(params) < 1:
                 raise UsageError(f"state order {theirs_order!r} has node-order parameters "
                                  "below 1: pass the dict state_dict() returned, unchanged")
+            theirs_rem = theirs_order.get("remainder", o.remainder)  # (older states: unknown)
+            if theirs_rem != o.remainder and params[0] > 1 and 0 < cursor < self.num_samples:
+                # The epoch's order depends on it (the groups are cut for the last round; not
+                # with one group): the rest of the epoch under another remainder repeats some
+                # delivered samples and never delivers others.
+                raise UsageError(
+                    f"state was taken mid-epoch with order='node' and remainder={theirs_rem!r}, "
+                    f"this dataset uses remainder={o.remainder!r}, which changes that epoch's "
+                    f"order; construct the dataset with remainder={theirs_rem!r} to resume")
             if self._stager is not None and params != self._node_order:
                 # Started before (set_epoch first), it plans with the order it forked with:
                 # the next _start_staging forks one that follows this one.

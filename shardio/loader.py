@@ -914,10 +914,13 @@ class ShardLoader:
         self.dataset._start_staging(self.dataset.epoch, self.batch_size)
 
     def _end_epoch(self) -> None:
-        """An iteration delivered its whole epoch: the next one starts the epoch over."""
+        """An iteration delivered its whole epoch: the next one starts the epoch over (unless
+        the position was set while it ran: see :meth:`load_state_dict`)."""
         self._stats.epoch_end()
-        self._finished = True
         ds = self.dataset
+        if self._gen != ds._position_gen:
+            return
+        self._finished = True
         ds._run_cursor, ds._finished = ds._cursor, True  # what ds.state_dict(batches=) counts from
         ds._cursor = 0
 
@@ -956,7 +959,8 @@ class ShardLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume exactly after what :meth:`state_dict` recorded (world size, worker count and
         batch size may differ), with its base seed of the workers' generators (a state without
-        one, from a ShardDataset, keeps this loader's)."""
+        one, from a ShardDataset, keeps this loader's).  Loaded during an iteration, it applies
+        to the next one (as :meth:`set_epoch` does)."""
         seed = state.get("worker_seed") if isinstance(state, dict) else None
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                                  or not 0 <= seed < 1 << 63):
@@ -966,10 +970,17 @@ class ShardLoader:
         self.dataset.load_state_dict(state)
         if seed is not None:
             self.seed = int(seed)
+        self._stop_next = False
+        if self._iterating is not None:
+            # Loaded while an iteration runs: the position is the next iteration's.  The
+            # running one's count stays with its own (now stale) generation, so state_dict()
+            # says the loaded position and its end does not overwrite it.  (Before, its end
+            # marked the loaded epoch delivered, and its batches counted from the loaded
+            # position.)
+            return
         self._delivered = 0
         self._finished = False
         self._gen = self.dataset._position_gen
-        self._stop_next = False
 
     def stats(self) -> dict[str, Any]:
         """Data-wait vs compute per step, per-stage worker times, copies, worker restarts (over
