@@ -102,7 +102,7 @@ class Sample:
 class ScanResult:
     samples: list[Sample]
     labels: list[str] | None
-    files: int
+    files: int  # regular files found (a progress count: the manifest's files_in is what was packed)
     skipped: Counter[str] = field(default_factory=Counter)
     # How the pack reads the files (shardio._packpool.Task.read_threads): the threads the scan
     # fetched its stats through in the end, or 0 (automatic: the reads decide) or 1 (never).

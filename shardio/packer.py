@@ -595,8 +595,7 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
     bar = _progress_bar(progress, sum(s.size for s in scan.samples), f"packing {scan.files} files")
     written, skipped, layout_note, _kept = _write_shards(tasks, options, codec, out, bar)
     skipped.update(scan.skipped)
-    return _publish(out, options, scan.labels, scan.files, codec, job, written, skipped,
-                    layout_note)
+    return _publish(out, options, scan.labels, codec, job, written, skipped, layout_note)
 
 
 def _pack_streaming(src: str, out: str, options: PackOptions, progress: bool | None) -> Manifest:
@@ -641,8 +640,8 @@ def _pack_streaming(src: str, out: str, options: PackOptions, progress: bool | N
         if ahead is not None:
             ahead.close()
     skipped.update(walk.skipped)
-    return _publish(out, options, walk.labels, walk.files, codec, result["job"], written,
-                    skipped, layout_note)
+    return _publish(out, options, walk.labels, codec, result["job"], written, skipped,
+                    layout_note)
 
 
 def _stream_tasks(samples: Iterable[Sample], options: PackOptions, out: str, job: _JobHash,
@@ -791,10 +790,16 @@ def _progress_bar(progress: bool | None, total: int, desc: str) -> Any:
                 unit_divisor=1024, file=sys.stderr, desc=desc, dynamic_ncols=True)
 
 
-def _publish(out: str, options: PackOptions, labels: list[str] | None, files_in: int,
-             codec: Codec, job: str, written: list[WrittenShard], skipped: Counter[str],
-             layout_note: str = "") -> Manifest:
+def _publish(out: str, options: PackOptions, labels: list[str] | None, codec: Codec, job: str,
+             written: list[WrittenShard], skipped: Counter[str], layout_note: str = "") -> Manifest:
     """Build the manifest of a finished job, write its parity, publish it (last, atomically).
+
+    ``stats["files_in"]`` counts the source files whose bytes are in the shards: every field
+    of every sample, less the label field ``label_from_dir`` adds to each (a source file named
+    like it is refused).  Whatever was left out (by the scan, or unreadable when its shard was
+    written) is in ``stats["skipped"]`` by kind instead, so the count is the same whichever way
+    the pack found its files (a walk, ``--files-from``, parts) and is what a loader of the
+    small files would open each epoch (``metadata_ops_small_files``).
 
     The single-process pack and :func:`merge` both end here, so a merged dataset's manifest is
     byte for byte the one a single process writes.  Shards numbered beyond ``written`` (an
@@ -806,6 +811,8 @@ def _publish(out: str, options: PackOptions, labels: list[str] | None, files_in:
     fields: Counter[str] = Counter()
     for w in written:
         fields.update(w.fields)
+    samples = sum(w.samples for w in written)
+    files_in = sum(fields.values()) - (samples if options.label_from_dir else 0)
     raw = sum(w.raw_bytes for w in written)
     stored = sum(w.stored_bytes for w in written)
     per_shard_ops = 4 if options.format == "tar" else 2
@@ -830,7 +837,7 @@ def _publish(out: str, options: PackOptions, labels: list[str] | None, files_in:
         labels={"field": LABEL_FIELD, "names": labels} if labels is not None else None,
         stats={
             "files_in": files_in,
-            "samples": sum(w.samples for w in written),
+            "samples": samples,
             "shards": len(written),
             "raw_bytes": raw,
             "stored_bytes": stored,

@@ -572,8 +572,8 @@ def merge(out: str | os.PathLike[str], *, verify: bool = False) -> Manifest:
     for doc in ordered:
         skipped.update(doc["skipped"])
     codec = Codec(options.codec_name, options.codec_level, dictionary)
-    manifest = _publish(out, options, head["labels"], head["files_in"], codec, head["job"],
-                        written, skipped, head["layout"])
+    manifest = _publish(out, options, head["labels"], codec, head["job"], written, skipped,
+                        head["layout"])
     _remove_part_files(out)
     return manifest
 

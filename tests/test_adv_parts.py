@@ -1,0 +1,81 @@
+"""Adversarial checks of multi-node packing (``--part I/N`` + ``merge``) and of the pack summary.
+
+Real packs of real trees (symlinks, FIFOs, files that change under the pack), real part
+records; each case was a bug found by trying to break the workflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import shardio
+from shardio.manifest import Manifest
+from tests.test_pack import write_files
+
+# --- the summary's files_in ------------------------------------------------------------------
+
+
+def _awkward_tree(root: Path) -> Path:
+    """5 packable files in 4 samples, and one of every kind of entry a pack skips."""
+    src = write_files(root, {"a/0.txt": b"zero", "a/1.txt": b"one", "a/1.json": b"{}",
+                             "a/2.txt": b"two", "a/3.txt": b"three", "a/noext": b"?"})
+    a = src / "a"
+    os.symlink("gone.txt", a / "broken.txt")
+    os.symlink("loop2.txt", a / "loop1.txt")
+    os.symlink("loop1.txt", a / "loop2.txt")
+    os.mkfifo(a / "fifo.txt")
+    with open(os.fsencode(a) + b"/bad\xff.txt", "wb") as f:
+        f.write(b"latin-1")
+    # A regular file of size 0 to the scan whose read returns bytes: it "grew" since the
+    # scan, so the writer leaves it out (skip kind "changed").
+    os.symlink("/proc/self/stat", a / "grows.txt")
+    return src
+
+
+_SKIPPED = {"broken_symlink": 1, "changed": 1, "no_extension": 1, "non_utf8_name": 1,
+            "not_regular": 1, "symlink_loop": 2}
+
+
+@pytest.mark.parametrize("how", ["walk", "scan-first", "files-from", "parts"])
+def test_files_in_counts_the_files_packed_whichever_way_they_were_found(
+        tmp_path: Path, how: str) -> None:
+    """``files_in`` counted the regular files the scan found with a UTF-8 name, so a file
+    with no extension (never packed) and a file left out while its shard was written were
+    "in", but a broken symlink, a loop, a FIFO or a non-UTF-8 name were not.  It is now the
+    files whose bytes are in the shards, the same for a walk, --files-from and parts."""
+    src = _awkward_tree(tmp_path / "src")
+    out = tmp_path / "out"
+    kw: dict[str, object] = {"on_error": "skip", "samples_per_shard": 2}
+    if how == "scan-first":
+        out.mkdir()
+        (out / "manifest.json").write_text("{}")  # --overwrite of a non-empty OUT scans first
+        kw["overwrite"] = True
+    if how == "files-from":
+        lst = tmp_path / "list"
+        lst.write_bytes(b"".join(b"a/" + n + b"\n" for n in sorted(os.listdir(os.fsencode(
+            src / "a")))))
+        kw["files_from"] = lst
+    if how == "parts":
+        for i in range(2):
+            shardio.pack(src, out, **kw, part=(i, 2))
+        m = shardio.merge(out)
+    else:
+        m = shardio.pack(src, out, **kw)
+    assert isinstance(m, Manifest)
+    assert m.num_samples == 4 and m.fields == {"txt": 4, "json": 1}
+    assert m.stats["skipped"] == _SKIPPED
+    assert m.stats["files_in"] == 5
+    assert m.stats["metadata_ops_small_files"] == 10
+
+
+def test_files_in_leaves_out_the_label_field(tmp_path: Path) -> None:
+    src = write_files(tmp_path / "src", {f"{c}/{i}.{ext}": b"x" for c in "ab" for i in range(3)
+                                         for ext in ("txt", "json")})
+    m = shardio.pack(src, tmp_path / "out", label_from_dir=True)
+    assert isinstance(m, Manifest) and m.fields == {"cls": 6, "json": 6, "txt": 6}
+    assert m.stats["files_in"] == 12
