@@ -5,9 +5,9 @@ Every part scans the same input and computes the same global plan (:func:`shardi
 and job fingerprint (which include neither I nor N), then writes a contiguous, byte-balanced share
 of the shards (:func:`split_plan`) under their global names, and publishes last, atomically, a
 part record ``.shardio-part-IIII-of-NNNN.json`` with the facts the manifest needs.  ``merge``
-checks the records (missing, duplicated or foreign parts, gaps, missing or wrong-size shards) and
-publishes through the same :func:`shardio.packer._publish` as a single-process pack, so the
-merged dataset is byte-identical whatever N was.
+checks the records (missing, duplicated or foreign parts, gaps, missing, wrong-size or foreign
+shards) and publishes through the same :func:`shardio.packer._publish` as a single-process
+pack, so the merged dataset is byte-identical whatever N was.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ._fsutil import (
     atomic_write_bytes,
     remove_temp_files,
     resolve_in,
+    translate_oserror,
 )
 from ._scan import ScanResult
 from .checksum import digest_bytes, file_digest
@@ -63,6 +64,7 @@ from .packstate import (
     STATE_NAME,
     _ours,
     _read_json,
+    _recorded_digest,
     _remove_parity,
 )
 
@@ -475,8 +477,11 @@ def _check_parts(out: str, records: list[tuple[str, dict[str, Any]]],
 
 
 def _merged_shards(out: str, ordered: list[dict[str, Any]], verify: bool) -> list[WrittenShard]:
-    """Every part's shards, in global order, after checking each is on disk with its size (and,
-    with ``verify``, its digest and its index's digest)."""
+    """Every part's shards, in global order, after checking each is on disk with its size and
+    is the one its part recorded, as far as that is cheap: a tar shard's ``.idx`` (small; it
+    holds the shard's digest and size) hashes to the recorded index digest, and an HDF5
+    shard's ``user.shardio.digest`` attribute, where it has one, is the recorded digest.  With
+    ``verify``, every shard is hashed too."""
     written = []
     for doc in ordered:
         rerun = (f"rerun part {doc['part']} ({_part_command(doc, out, doc['part'])}): it "
@@ -492,10 +497,17 @@ def _merged_shards(out: str, ordered: list[dict[str, Any]], verify: bool) -> lis
             if size != fact["bytes"]:
                 raise ShardCorruptError(f"{path} is {size} bytes, but part {doc['part']} of "
                                         f"{doc['parts']} wrote {fact['bytes']}; {rerun}")
-            if verify and (file_digest(path)[0] != fact["digest"]
-                           or (idx and file_digest(idx)[0] != fact["index_digest"])):
-                raise ShardCorruptError(f"{path} (or its index) does not hash to what part "
-                                        f"{doc['part']} of {doc['parts']} wrote; {rerun}")
+            recorded = _recorded_digest(path) if idx is None else None
+            try:
+                bad = ((idx is not None and file_digest(idx)[0] != fact["index_digest"])
+                       or (recorded is not None and recorded != (fact["digest"], fact["bytes"]))
+                       or (verify and file_digest(path)[0] != fact["digest"]))
+            except OSError as exc:
+                raise translate_oserror(exc, path, "reading") from exc
+            if bad:
+                raise ShardCorruptError(f"{path} (or its index) is not the shard part "
+                                        f"{doc['part']} of {doc['parts']} wrote (another "
+                                        f"job's, or damaged); {rerun}")
             written.append(WrittenShard(
                 path=path, index_path=idx, samples=fact["samples"], bytes=fact["bytes"],
                 digest=fact["digest"], index_digest=fact["index_digest"],
@@ -508,7 +520,8 @@ def merge(out: str | os.PathLike[str], *, verify: bool = False) -> Manifest:
     """Publish the manifest of a multi-node pack once every part has finished.
 
     Reads the part records ``pack`` left in ``out`` (``PackOptions.part``), checks that they form
-    one whole job and that every shard they list is on disk with its size, then builds and
+    one whole job and that every shard they list is on disk with its size and is the one its
+    part wrote (its index's digest, or an HDF5 shard's recorded digest), then builds and
     publishes the manifest exactly as a single-process pack of the same input and options
     would (byte for byte), writes parity if the job asked for it, and removes the part records
     and state files.  Running it again afterwards returns the published manifest.
@@ -522,8 +535,9 @@ def merge(out: str | os.PathLike[str], *, verify: bool = False) -> Manifest:
             ``out`` holds neither part records nor a manifest.
         ManifestError: records of different jobs or part counts, a duplicated part, shard
             ranges with gaps or overlaps (ManifestCorruptError: a damaged record).
-        ShardNotFoundError, ShardCorruptError: a listed shard is missing, of the wrong size, or
-            (with ``verify``) of the wrong digest.
+        ShardNotFoundError, ShardCorruptError: a listed shard is missing, of the wrong size,
+            not the one its part wrote (its index's digest), or (with ``verify``) of the wrong
+            digest.
     """
     out = os.fspath(out)
     if not os.path.isdir(out):

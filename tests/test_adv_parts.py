@@ -79,3 +79,45 @@ def test_files_in_leaves_out_the_label_field(tmp_path: Path) -> None:
     m = shardio.pack(src, tmp_path / "out", label_from_dir=True)
     assert isinstance(m, Manifest) and m.fields == {"cls": 6, "json": 6, "txt": 6}
     assert m.stats["files_in"] == 12
+
+
+# --- merge without --verify: is each shard the one its part recorded? ----------------------
+
+
+def _same_size_other_job(tmp_path: Path, fmt: str) -> tuple[Path, Path, str]:
+    """OUT packed as 2 parts, not merged, and a shard from another job (one file's bytes
+    differ, not its size) of the same size copied over one of them, with its index/xattr."""
+    files = {f"d/{i:03d}.bin": bytes([i]) * 300 for i in range(12)}
+    src = write_files(tmp_path / "src", files)
+    other = write_files(tmp_path / "other", {**files, "d/004.bin": b"\xee" * 300})
+    out = tmp_path / "out"
+    kw = {"samples_per_shard": 3, "format": fmt}
+    for i in range(2):
+        shardio.pack(src, out, **kw, part=(i, 2))
+    shardio.pack(other, tmp_path / "single", **kw)
+    name = f"shard-000001.{'tar' if fmt == 'tar' else 'h5'}"
+    for n in (name, name + ".idx") if fmt == "tar" else (name,):
+        assert (out / n).stat().st_size == (tmp_path / "single" / n).stat().st_size
+        shutil.copy2(tmp_path / "single" / n, out / n)  # (copy2 keeps the xattrs)
+    return src, out, name
+
+
+@pytest.mark.parametrize("fmt", ["tar", "hdf5"])
+def test_merge_refuses_another_jobs_shard_of_the_same_size(tmp_path: Path, fmt: str) -> None:
+    """merge without --verify checked only that each shard had its recorded size: another
+    job's shard of the same size (a shard "restored" from an older pack) was published under
+    this job's digest, and only a later verify or read found the mismatch.  The index (small)
+    is now hashed against the part's record, and an HDF5 shard's recorded digest compared."""
+    src, out, name = _same_size_other_job(tmp_path, fmt)
+    if fmt == "hdf5":
+        try:
+            os.getxattr(out / name, "user.shardio.digest")
+        except OSError:
+            pytest.skip("no user xattrs on this filesystem: an HDF5 shard carries no digest")
+    with pytest.raises(shardio.errors.ShardCorruptError,
+                       match=rf"{name} \(or its index\) is not the shard part 0 of 2 wrote"):
+        shardio.merge(out)
+    assert not (out / "manifest.json").exists()
+    shardio.pack(src, out, samples_per_shard=3, format=fmt, part=(0, 2))  # the fix it names
+    shardio.merge(out)
+    assert shardio.verify_dataset(str(out)) == []
