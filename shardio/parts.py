@@ -18,6 +18,8 @@ import re
 import shlex
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -524,7 +526,9 @@ def merge(out: str | os.PathLike[str], *, verify: bool = False) -> Manifest:
     part wrote (its index's digest, or an HDF5 shard's recorded digest), then builds and
     publishes the manifest exactly as a single-process pack of the same input and options
     would (byte for byte), writes parity if the job asked for it, and removes the part records
-    and state files.  Running it again afterwards returns the published manifest.
+    and state files.  Running it again afterwards returns the published manifest.  Merges of
+    one ``out`` run one at a time (a lock on the directory, where the filesystem has flock),
+    so every rank of a job may call it.
 
     Args:
         out: the output directory every part packed into.
@@ -542,6 +546,31 @@ def merge(out: str | os.PathLike[str], *, verify: bool = False) -> Manifest:
     out = os.fspath(out)
     if not os.path.isdir(out):
         raise UsageError(f"OUT {out} is not a directory")
+    with _merge_lock(out):
+        return _merge(out, verify)
+
+
+@contextmanager
+def _merge_lock(out: str) -> Iterator[None]:
+    """Serialise the merges of one OUT: every rank of a job may call :func:`merge`, and two at
+    once deleted each other's parity and temp files (exit 1, or a traceback).  An exclusive
+    ``flock`` on the directory itself (no file to clean up); a merge that waited then finds
+    the job merged.  Where the filesystem has no flock (NFS, Lustre mounted without it, which
+    may refuse one), merges are not serialised, as before."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                pass
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+def _merge(out: str, verify: bool) -> Manifest:
+    """:func:`merge` of a directory, under :func:`_merge_lock`."""
     names = sorted(os.listdir(out))
     found = [n for n in names if (m := _PART_FILE.fullmatch(n)) is not None and m[1] == "part"]
     if not found:

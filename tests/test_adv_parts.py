@@ -6,16 +6,17 @@ records; each case was a bug found by trying to break the workflow.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import shardio
 from shardio.manifest import Manifest
-from tests.test_pack import write_files
+from tests.test_pack import ROOT, _env, _show, write_files
 
 # --- the summary's files_in ------------------------------------------------------------------
 
@@ -144,3 +145,39 @@ def test_a_file_listed_twice_is_packed_once(tmp_path: Path, on_error: str) -> No
     lst.write_text("a/0.txt\nc/../a/0.txt\n")
     with pytest.raises(shardio.errors.DuplicateKeyError, match="two files give sample 'a/0'"):
         shardio.pack(src, tmp_path / "out2", files_from=lst)
+
+
+# --- merges of one OUT at once -----------------------------------------------------------------
+
+MERGE_TIMEOUT = 60
+
+
+def test_concurrent_merges_of_one_out_all_succeed(tmp_path: Path) -> None:
+    """Every rank calling merge (as every rank packs with ``--part auto``): the merges deleted
+    each other's parity temp files and parity ("ShardIOError: writing .../parity/g000012.p0:
+    No such file or directory", or a FileNotFoundError traceback), and most exited 1 (one
+    did in each of 6 tries).  Merges of one OUT now take turns; the later ones find the job
+    merged."""
+    src = write_files(tmp_path / "src", {f"d{i % 4}/{i:04d}.bin": os.urandom(64 + i % 200)
+                                         for i in range(800)})
+    out = tmp_path / "out"
+    for i in range(2):
+        shardio.pack(src, out, samples_per_shard=2, parity="4+1", fsync=False, part=(i, 2))
+    cmd = [sys.executable, "-m", "shardio", "merge", str(out), "--json"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT, env=_env()) for _ in range(5)]
+    results = []
+    try:
+        for p in procs:
+            stdout, err = p.communicate(timeout=MERGE_TIMEOUT)
+            _show(cmd, p.returncode, stdout, err)
+            results.append((p.returncode, stdout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+    assert [rc for rc, _ in results] == [0] * 5
+    assert len({stdout for _, stdout in results}) == 1  # the same manifest for every merge
+    assert shardio.verify_dataset(str(out)) == []
+    assert not [n for n in os.listdir(out) if n.startswith(".shardio")]
