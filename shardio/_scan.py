@@ -722,9 +722,15 @@ class Walk:
 def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> list[_Found]:
     try:
         with open(list_path, "rb") as f:
-            lines = f.read().splitlines()
+            text = f.read()
     except OSError as exc:
         raise UsageError(f"cannot read --files-from {list_path}: {exc.strerror}") from exc
+    if b"\0" in text:  # no path holds one (os.stat would raise ValueError)
+        raise UsageError(
+            f"--files-from {list_path} holds NUL bytes (a `find -print0` list?); it takes one "
+            "path per line: write it with `find ... -print` (or `tr '\\0' '\\n'` it)"
+        )
+    lines = text.splitlines()
     src_real = os.path.realpath(src)
     listed: list[tuple[str, str]] = []  # (path, rel)
     for raw in lines:

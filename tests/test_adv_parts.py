@@ -181,3 +181,17 @@ def test_concurrent_merges_of_one_out_all_succeed(tmp_path: Path) -> None:
     assert len({stdout for _, stdout in results}) == 1  # the same manifest for every merge
     assert shardio.verify_dataset(str(out)) == []
     assert not [n for n in os.listdir(out) if n.startswith(".shardio")]
+
+
+def test_a_nul_separated_list_is_a_usage_error(tmp_path: Path) -> None:
+    """A ``find -print0`` list crashed the pack with "ValueError: embedded null byte" (a
+    traceback from os.stat) instead of a usage error naming the fix."""
+    src = write_files(tmp_path / "src", {f"a/{i}.txt": b"x" for i in range(3)})
+    lst = tmp_path / "list0"
+    lst.write_bytes(b"".join(f"./a/{i}.txt".encode() + b"\0" for i in range(3)))
+    with pytest.raises(shardio.errors.UsageError, match=r"holds NUL bytes .*find \.\.\. -print"):
+        shardio.pack(src, tmp_path / "out", files_from=lst)
+    for i in range(2):  # every part scans the list
+        with pytest.raises(shardio.errors.UsageError, match="holds NUL bytes"):
+            shardio.pack(src, tmp_path / "out", files_from=lst, part=(i, 2))
+    assert not (tmp_path / "out" / "manifest.json").exists()
