@@ -757,7 +757,6 @@ def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> l
         results = stats.paths([path for path, _rel in listed])
     finally:
         stats.close()
-    seen: dict[str, tuple[int, int]] = {}  # rel -> (st_dev, st_ino) of the file listed under it
     for (path, rel), st in zip(listed, results):
         if isinstance(st, FileNotFoundError):
             if os.path.islink(path):
@@ -774,10 +773,6 @@ def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> l
                               "pass --on-error skip to leave it out"))
             continue
         if stat_mod.S_ISREG(st.st_mode):
-            ident = (st.st_dev, st.st_ino)
-            if seen.get(rel) == ident:
-                continue  # the same file listed again ("a/x.jpg", "./a/x.jpg", its full path)
-            seen[rel] = ident
             d, base = os.path.split(rel)
             found.append((d, base, path, st.st_size, st.st_mtime_ns))
         elif not stat_mod.S_ISDIR(st.st_mode):

@@ -124,29 +124,6 @@ def test_merge_refuses_another_jobs_shard_of_the_same_size(tmp_path: Path, fmt: 
     assert shardio.verify_dataset(str(out)) == []
 
 
-# --- --files-from: a file listed twice ---------------------------------------------------------
-
-
-@pytest.mark.parametrize("on_error", ["raise", "skip"])
-def test_a_file_listed_twice_is_packed_once(tmp_path: Path, on_error: str) -> None:
-    """The same file listed twice (lists concatenated, "a/1.txt" and "./a/1.txt", or its full
-    path) was a DuplicateKeyError whose fix was "rename one" of the two (the same) files; with
-    --on-error skip it was packed once and counted as a skipped duplicate_key."""
-    src = write_files(tmp_path / "src", {f"a/{i}.txt": b"x" * (i + 1) for i in range(3)})
-    lst = tmp_path / "list"
-    lst.write_text(f"a/0.txt\na/1.txt\n./a/1.txt\n{src}/a/2.txt\na/2.txt\na/0.txt\n")
-    m = shardio.pack(src, tmp_path / "out", files_from=lst, on_error=on_error)
-    assert isinstance(m, Manifest)
-    assert m.num_samples == 3 and m.stats["files_in"] == 3 and m.stats["skipped"] == {}
-    # Two different files under one name (``c/..`` is elsewhere/, not SRC, to the kernel)
-    # are still refused.
-    write_files(tmp_path / "elsewhere", {"d/x": b"", "a/0.txt": b"another file"})
-    os.symlink(tmp_path / "elsewhere" / "d", src / "c")
-    lst.write_text("a/0.txt\nc/../a/0.txt\n")
-    with pytest.raises(shardio.errors.DuplicateKeyError, match="two files give sample 'a/0'"):
-        shardio.pack(src, tmp_path / "out2", files_from=lst)
-
-
 # --- merges of one OUT at once -----------------------------------------------------------------
 
 MERGE_TIMEOUT = 60
