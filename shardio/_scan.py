@@ -780,6 +780,23 @@ def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> l
     return found
 
 
+def _listed_twice(key: str, ext: str, first: str, path: str, files_from: str
+                  ) -> DuplicateKeyError:
+    """The error for a ``--files-from`` entry giving sample ``key`` field ``ext`` again: with
+    paths relative to SRC, nearly always one file listed twice (renaming it fixes nothing)."""
+    try:
+        same = os.path.samefile(first, path)
+    except OSError:
+        same = False
+    if same:
+        return DuplicateKeyError(
+            f"{path} is listed twice in --files-from {files_from} (also as {first}), which "
+            f"gives sample {key!r} field {ext!r} twice; remove the repeated line (e.g. `sort -u` "
+            "the list) or pass --on-error skip")
+    return DuplicateKeyError(f"two files give sample {key!r} field {ext!r}: {first} and {path}; "
+                             "rename one or pass --on-error skip")
+
+
 def scan_source(
     src: str, out: str, *, files_from: str | None, label_from_dir: bool, on_error: str,
     scan_threads: int | None = None, zstd: bool = False,
@@ -824,9 +841,7 @@ def scan_source(
         if type(have) is tuple:
             have = by_key[key] = {have[0]: have}
         if ext in have:
-            problem("duplicate_key", DuplicateKeyError(
-                f"two files give sample {key!r} field {ext!r}: {have[ext][1]} and {path}; "
-                "rename one or pass --on-error skip"))
+            problem("duplicate_key", _listed_twice(key, ext, have[ext][1], path, files_from))
             continue
         have[ext] = entry
     labels: list[str] | None = None

@@ -172,3 +172,27 @@ def test_a_nul_separated_list_is_a_usage_error(tmp_path: Path) -> None:
         with pytest.raises(shardio.errors.UsageError, match="holds NUL bytes"):
             shardio.pack(src, tmp_path / "out", files_from=lst, part=(i, 2))
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+# --- --files-from: a file listed twice ---------------------------------------------------------
+
+
+def test_a_file_listed_twice_is_named_as_such(tmp_path: Path) -> None:
+    """A file listed twice (``a/1.txt`` and ``./a/1.txt``) is a DuplicateKeyError, as
+    tests/test_pack.py::test_duplicate_keys pins, but its message said "two files give sample
+    'a/1' field 'txt': .../a/1.txt and ..././a/1.txt; rename one": one file, which renaming
+    does not help.  It now says the file is listed twice."""
+    src = write_files(tmp_path / "src", {f"a/{i}.txt": b"x" for i in range(3)})
+    lst = tmp_path / "list"
+    lst.write_text("a/0.txt\na/1.txt\na/2.txt\n./a/1.txt\n")
+    with pytest.raises(shardio.errors.DuplicateKeyError) as ei:
+        shardio.pack(src, tmp_path / "out", files_from=lst)
+    msg = str(ei.value)
+    assert f"{src}/./a/1.txt is listed twice in --files-from {lst}" in msg
+    assert "remove the repeated line" in msg and "rename" not in msg
+    # Two files under one name (``c/..`` is elsewhere/ to the kernel, SRC to the key).
+    write_files(tmp_path / "elsewhere", {"d/x": b"", "a/0.txt": b"another file"})
+    os.symlink(tmp_path / "elsewhere" / "d", src / "c")
+    lst.write_text("a/0.txt\nc/../a/0.txt\n")
+    with pytest.raises(shardio.errors.DuplicateKeyError, match="two files give sample 'a/0'"):
+        shardio.pack(src, tmp_path / "out2", files_from=lst)
