@@ -453,12 +453,15 @@ def _open_dir(path: str) -> int:
         return -1
 
 
-def _dictionary(out: str, samples: list[Sample], level: int, claims: set[str]) -> bytes:
+def _dictionary(out: str, samples: list[Sample], level: int, claims: set[str],
+                skip: bool = False) -> bytes:
     """The job's zstd dictionary: ``OUT/zstd.dict`` when its digest is one an unfinished run of
     this job recorded (``claims``), else trained afresh from the global scan.
 
     Training is deterministic (same samples, single-threaded), so every part of a multi-node
-    pack trains the same bytes; the file is rewritten only when it differs.
+    pack trains the same bytes; the file is rewritten only when it differs.  With ``skip``
+    (``on_error="skip"``) a file that cannot be read is left out of the training, as the
+    writer leaves it out of its shard; else its error is raised, as the writer would.
     """
     path = os.path.join(out, DICT_NAME)
     try:
@@ -469,8 +472,15 @@ def _dictionary(out: str, samples: list[Sample], level: int, claims: set[str]) -
     if existing is not None and digest_bytes(existing) in claims:
         return existing
     step = max(1, len(samples) // 4000)
-    training = [_read_file(p, size) for s in samples[::step] for _n, p, size, _m in s.files
-                if 0 < size <= 64 * 1024]
+    training = []
+    for s in samples[::step]:
+        for _n, p, size, _m in s.files:
+            if 0 < size <= 64 * 1024:
+                try:
+                    training.append(_read_file(p, size))
+                except UnreadableFileError:
+                    if not skip:
+                        raise
     data = train_dictionary(training, level=level)
     if claims and digest_bytes(data) not in claims:
         # Shards already written with the recorded dictionary would not decode with this one.
@@ -695,7 +705,8 @@ def _stream_tasks(samples: Iterable[Sample], options: PackOptions, out: str, job
 def _codec(out: str, samples: list[Sample], options: PackOptions, claims: set[str]) -> Codec:
     dictionary = None
     if options.zstd_dict:
-        dictionary = _dictionary(out, samples, options.codec_level, claims)
+        dictionary = _dictionary(out, samples, options.codec_level, claims,
+                                 skip=options.on_error == "skip")
     return Codec(options.codec_name, options.codec_level, dictionary)
 
 

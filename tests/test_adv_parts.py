@@ -6,7 +6,9 @@ records; each case was a bug found by trying to break the workflow.
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -196,3 +198,65 @@ def test_a_file_listed_twice_is_named_as_such(tmp_path: Path) -> None:
     lst.write_text("a/0.txt\nc/../a/0.txt\n")
     with pytest.raises(shardio.errors.DuplicateKeyError, match="two files give sample 'a/0'"):
         shardio.pack(src, tmp_path / "out2", files_from=lst)
+
+
+# --- --zstd-dict with --on-error skip and an unreadable file -----------------------------------
+
+_DICT_CHILD = r"""
+import json, os, sys
+import zstandard  # noqa: F401  (imported as root: the venv need not be readable by nobody)
+import shardio.codec, shardio.formats.tar  # noqa: F401
+from shardio.packer import pack
+from shardio.parts import merge
+
+src, outs = sys.argv[1:3]
+if os.geteuid() == 0:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+kw = dict(compress="zstd", zstd_dict=True, samples_per_shard=10)
+res = {}
+try:
+    pack(src, os.path.join(outs, "raise"), **kw)
+    res["raise"] = None
+except Exception as exc:
+    res["raise"] = type(exc).__name__
+try:
+    m = pack(src, os.path.join(outs, "skip"), on_error="skip", **kw)
+    res["skip"] = [m.num_samples, m.stats["skipped"]]
+    for i in range(2):
+        pack(src, os.path.join(outs, "parts"), on_error="skip", part=(i, 2), **kw)
+    res["parts"] = merge(os.path.join(outs, "parts")).to_json().decode() == open(
+        os.path.join(outs, "skip", "manifest.json")).read()
+except Exception as exc:
+    res["skip"] = [type(exc).__name__, str(exc)]
+print(json.dumps(res))
+"""
+
+
+def test_zstd_dict_training_skips_an_unreadable_file_with_on_error_skip(
+        world_tmp: Path) -> None:
+    """--compress zstd --zstd-dict --on-error skip with a file the packing user cannot read:
+    the dictionary training read every sampled file and raised UnreadableFileError
+    ("... Permission denied; fix its permissions or pass --on-error skip", which was passed),
+    so the pack (and every part) failed where the writer would have skipped the file."""
+    rng = random.Random(0)
+    src = write_files(world_tmp / "src", {f"a/{i:03d}.json": json.dumps(
+        {"i": i, "w": [rng.choice(["ab", "cd", "ef"]) for _ in range(30)]}).encode()
+        for i in range(60)})
+    for p in [src, *src.rglob("*")]:
+        os.chmod(p, 0o777 if p.is_dir() else 0o644)
+    os.chmod(src / "a" / "000.json", 0)
+    outs = world_tmp / "outs"
+    outs.mkdir()
+    os.chmod(outs, 0o777)
+    proc = subprocess.run([sys.executable, "-c", _DICT_CHILD, str(src), str(outs)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=_env())
+    _show(["python", "-c", "_DICT_CHILD"], proc.returncode, proc.stdout, proc.stderr)
+    assert proc.returncode == 0
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if res["raise"] is None:
+        pytest.skip("chmod 000 does not block reads here")
+    assert res["raise"] == "UnreadableFileError"
+    assert res["skip"] == [59, {"unreadable": 1}]
+    assert res["parts"] is True
