@@ -719,6 +719,12 @@ class Walk:
         subdirs[full[full.rindex(os.sep) + 1:] + "/"] = (full, ident)
 
 
+def _outside(rel: str) -> bool:
+    """Whether a path relative to SRC leaves it (``..`` or ``../x``; ``..x`` is a hidden name
+    inside it, which a list may name)."""
+    return rel == os.pardir or rel.startswith(os.pardir + os.sep)
+
+
 def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> list[_Found]:
     try:
         with open(list_path, "rb") as f:
@@ -741,9 +747,9 @@ def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> l
         name = os.fsdecode(raw.rstrip(b"\r"))
         path = name if os.path.isabs(name) else os.path.join(src, name)
         rel = os.path.relpath(os.path.abspath(path), os.path.abspath(src))
-        if rel.startswith(".."):
+        if _outside(rel):
             rel = os.path.relpath(os.path.realpath(path), src_real)
-            if rel.startswith(".."):
+            if _outside(rel):
                 raise UsageError(
                     f"--files-from entry {name!r} lies outside SRC {src}; keys are paths relative "
                     "to SRC, so pass a SRC that contains every listed file"

@@ -260,3 +260,26 @@ def test_zstd_dict_training_skips_an_unreadable_file_with_on_error_skip(
     assert res["raise"] == "UnreadableFileError"
     assert res["skip"] == [59, {"unreadable": 1}]
     assert res["parts"] is True
+
+
+def test_a_listed_name_starting_with_two_dots_is_inside_src(tmp_path: Path) -> None:
+    """--files-from packs listed hidden files, but one under a directory named ``..hid`` (or a
+    top-level ``..x.txt``) was refused: "entry '..hid/x.txt' lies outside SRC", because the
+    check took every relative path starting with ".." for one that leaves SRC."""
+    src = write_files(tmp_path / "src", {"..hid/x.txt": b"1", "..top.d/y.txt": b"2",
+                                         "a/z.txt": b"3"})
+    lst = tmp_path / "list"
+    lst.write_text("..hid/x.txt\n..top.d/y.txt\na/z.txt\n../src/a/z.txt\n")
+    with pytest.raises(shardio.errors.DuplicateKeyError, match="is listed twice"):
+        shardio.pack(src, tmp_path / "out0", files_from=lst)  # (../src/a/z.txt is a/z.txt)
+    lst.write_text("..hid/x.txt\n..top.d/y.txt\na/z.txt\n")
+    m = shardio.pack(src, tmp_path / "out", files_from=lst)
+    assert isinstance(m, Manifest) and m.num_samples == 3
+    reader = shardio.open_dataset(str(tmp_path / "out"))
+    assert sorted(reader[i]["__key__"] for i in range(len(reader))) == [
+        "..hid/x", "..top.d/y", "a/z"]
+    (tmp_path / "outside.txt").write_text("4")
+    for entry in ("..", "../outside.txt", str(tmp_path / "outside.txt")):
+        lst.write_text(f"a/z.txt\n{entry}\n")
+        with pytest.raises(shardio.errors.UsageError, match="lies outside SRC"):
+            shardio.pack(src, tmp_path / "out2", files_from=lst)
