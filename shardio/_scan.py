@@ -102,7 +102,7 @@ class Sample:
 class ScanResult:
     samples: list[Sample]
     labels: list[str] | None
-    files: int
+    files: int  # regular files found (a progress count: the manifest's files_in is what was packed)
     skipped: Counter[str] = field(default_factory=Counter)
     # How the pack reads the files (shardio._packpool.Task.read_threads): the threads the scan
     # fetched its stats through in the end, or 0 (automatic: the reads decide) or 1 (never).
@@ -719,12 +719,24 @@ class Walk:
         subdirs[full[full.rindex(os.sep) + 1:] + "/"] = (full, ident)
 
 
+def _outside(rel: str) -> bool:
+    """Whether a path relative to SRC leaves it (``..`` or ``../x``; ``..x`` is a hidden name
+    inside it, which a list may name)."""
+    return rel == os.pardir or rel.startswith(os.pardir + os.sep)
+
+
 def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> list[_Found]:
     try:
         with open(list_path, "rb") as f:
-            lines = f.read().splitlines()
+            text = f.read()
     except OSError as exc:
         raise UsageError(f"cannot read --files-from {list_path}: {exc.strerror}") from exc
+    if b"\0" in text:  # no path holds one (os.stat would raise ValueError)
+        raise UsageError(
+            f"--files-from {list_path} holds NUL bytes (a `find -print0` list?); it takes one "
+            "path per line: write it with `find ... -print` (or `tr '\\0' '\\n'` it)"
+        )
+    lines = text.splitlines()
     src_real = os.path.realpath(src)
     listed: list[tuple[str, str]] = []  # (path, rel)
     for raw in lines:
@@ -735,9 +747,9 @@ def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> l
         name = os.fsdecode(raw.rstrip(b"\r"))
         path = name if os.path.isabs(name) else os.path.join(src, name)
         rel = os.path.relpath(os.path.abspath(path), os.path.abspath(src))
-        if rel.startswith(".."):
+        if _outside(rel):
             rel = os.path.relpath(os.path.realpath(path), src_real)
-            if rel.startswith(".."):
+            if _outside(rel):
                 raise UsageError(
                     f"--files-from entry {name!r} lies outside SRC {src}; keys are paths relative "
                     "to SRC, so pass a SRC that contains every listed file"
@@ -772,6 +784,23 @@ def _from_list(src: str, list_path: str, problem: _Problems, stats: _Stats) -> l
         elif not stat_mod.S_ISDIR(st.st_mode):
             problem("not_regular", _not_regular(path, st.st_mode))
     return found
+
+
+def _listed_twice(key: str, ext: str, first: str, path: str, files_from: str
+                  ) -> DuplicateKeyError:
+    """The error for a ``--files-from`` entry giving sample ``key`` field ``ext`` again: with
+    paths relative to SRC, nearly always one file listed twice (renaming it fixes nothing)."""
+    try:
+        same = os.path.samefile(first, path)
+    except OSError:
+        same = False
+    if same:
+        return DuplicateKeyError(
+            f"{path} is listed twice in --files-from {files_from} (also as {first}), which "
+            f"gives sample {key!r} field {ext!r} twice; remove the repeated line (e.g. `sort -u` "
+            "the list) or pass --on-error skip")
+    return DuplicateKeyError(f"two files give sample {key!r} field {ext!r}: {first} and {path}; "
+                             "rename one or pass --on-error skip")
 
 
 def scan_source(
@@ -818,9 +847,7 @@ def scan_source(
         if type(have) is tuple:
             have = by_key[key] = {have[0]: have}
         if ext in have:
-            problem("duplicate_key", DuplicateKeyError(
-                f"two files give sample {key!r} field {ext!r}: {have[ext][1]} and {path}; "
-                "rename one or pass --on-error skip"))
+            problem("duplicate_key", _listed_twice(key, ext, have[ext][1], path, files_from))
             continue
         have[ext] = entry
     labels: list[str] | None = None

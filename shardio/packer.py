@@ -453,12 +453,15 @@ def _open_dir(path: str) -> int:
         return -1
 
 
-def _dictionary(out: str, samples: list[Sample], level: int, claims: set[str]) -> bytes:
+def _dictionary(out: str, samples: list[Sample], level: int, claims: set[str],
+                skip: bool = False) -> bytes:
     """The job's zstd dictionary: ``OUT/zstd.dict`` when its digest is one an unfinished run of
     this job recorded (``claims``), else trained afresh from the global scan.
 
     Training is deterministic (same samples, single-threaded), so every part of a multi-node
-    pack trains the same bytes; the file is rewritten only when it differs.
+    pack trains the same bytes; the file is rewritten only when it differs.  With ``skip``
+    (``on_error="skip"``) a file that cannot be read is left out of the training, as the
+    writer leaves it out of its shard; else its error is raised, as the writer would.
     """
     path = os.path.join(out, DICT_NAME)
     try:
@@ -469,8 +472,15 @@ def _dictionary(out: str, samples: list[Sample], level: int, claims: set[str]) -
     if existing is not None and digest_bytes(existing) in claims:
         return existing
     step = max(1, len(samples) // 4000)
-    training = [_read_file(p, size) for s in samples[::step] for _n, p, size, _m in s.files
-                if 0 < size <= 64 * 1024]
+    training = []
+    for s in samples[::step]:
+        for _n, p, size, _m in s.files:
+            if 0 < size <= 64 * 1024:
+                try:
+                    training.append(_read_file(p, size))
+                except UnreadableFileError:
+                    if not skip:
+                        raise
     data = train_dictionary(training, level=level)
     if claims and digest_bytes(data) not in claims:
         # Shards already written with the recorded dictionary would not decode with this one.
@@ -595,8 +605,7 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
     bar = _progress_bar(progress, sum(s.size for s in scan.samples), f"packing {scan.files} files")
     written, skipped, layout_note, _kept = _write_shards(tasks, options, codec, out, bar)
     skipped.update(scan.skipped)
-    return _publish(out, options, scan.labels, scan.files, codec, job, written, skipped,
-                    layout_note)
+    return _publish(out, options, scan.labels, codec, job, written, skipped, layout_note)
 
 
 def _pack_streaming(src: str, out: str, options: PackOptions, progress: bool | None) -> Manifest:
@@ -641,8 +650,8 @@ def _pack_streaming(src: str, out: str, options: PackOptions, progress: bool | N
         if ahead is not None:
             ahead.close()
     skipped.update(walk.skipped)
-    return _publish(out, options, walk.labels, walk.files, codec, result["job"], written,
-                    skipped, layout_note)
+    return _publish(out, options, walk.labels, codec, result["job"], written, skipped,
+                    layout_note)
 
 
 def _stream_tasks(samples: Iterable[Sample], options: PackOptions, out: str, job: _JobHash,
@@ -696,7 +705,8 @@ def _stream_tasks(samples: Iterable[Sample], options: PackOptions, out: str, job
 def _codec(out: str, samples: list[Sample], options: PackOptions, claims: set[str]) -> Codec:
     dictionary = None
     if options.zstd_dict:
-        dictionary = _dictionary(out, samples, options.codec_level, claims)
+        dictionary = _dictionary(out, samples, options.codec_level, claims,
+                                 skip=options.on_error == "skip")
     return Codec(options.codec_name, options.codec_level, dictionary)
 
 
@@ -791,10 +801,16 @@ def _progress_bar(progress: bool | None, total: int, desc: str) -> Any:
                 unit_divisor=1024, file=sys.stderr, desc=desc, dynamic_ncols=True)
 
 
-def _publish(out: str, options: PackOptions, labels: list[str] | None, files_in: int,
-             codec: Codec, job: str, written: list[WrittenShard], skipped: Counter[str],
-             layout_note: str = "") -> Manifest:
+def _publish(out: str, options: PackOptions, labels: list[str] | None, codec: Codec, job: str,
+             written: list[WrittenShard], skipped: Counter[str], layout_note: str = "") -> Manifest:
     """Build the manifest of a finished job, write its parity, publish it (last, atomically).
+
+    ``stats["files_in"]`` counts the source files whose bytes are in the shards: every field
+    of every sample, less the label field ``label_from_dir`` adds to each (a source file named
+    like it is refused).  Whatever was left out (by the scan, or unreadable when its shard was
+    written) is in ``stats["skipped"]`` by kind instead, so the count is the same whichever way
+    the pack found its files (a walk, ``--files-from``, parts) and is what a loader of the
+    small files would open each epoch (``metadata_ops_small_files``).
 
     The single-process pack and :func:`merge` both end here, so a merged dataset's manifest is
     byte for byte the one a single process writes.  Shards numbered beyond ``written`` (an
@@ -806,6 +822,8 @@ def _publish(out: str, options: PackOptions, labels: list[str] | None, files_in:
     fields: Counter[str] = Counter()
     for w in written:
         fields.update(w.fields)
+    samples = sum(w.samples for w in written)
+    files_in = sum(fields.values()) - (samples if options.label_from_dir else 0)
     raw = sum(w.raw_bytes for w in written)
     stored = sum(w.stored_bytes for w in written)
     per_shard_ops = 4 if options.format == "tar" else 2
@@ -830,7 +848,7 @@ def _publish(out: str, options: PackOptions, labels: list[str] | None, files_in:
         labels={"field": LABEL_FIELD, "names": labels} if labels is not None else None,
         stats={
             "files_in": files_in,
-            "samples": sum(w.samples for w in written),
+            "samples": samples,
             "shards": len(written),
             "raw_bytes": raw,
             "stored_bytes": stored,

@@ -5,9 +5,9 @@ Every part scans the same input and computes the same global plan (:func:`shardi
 and job fingerprint (which include neither I nor N), then writes a contiguous, byte-balanced share
 of the shards (:func:`split_plan`) under their global names, and publishes last, atomically, a
 part record ``.shardio-part-IIII-of-NNNN.json`` with the facts the manifest needs.  ``merge``
-checks the records (missing, duplicated or foreign parts, gaps, missing or wrong-size shards) and
-publishes through the same :func:`shardio.packer._publish` as a single-process pack, so the
-merged dataset is byte-identical whatever N was.
+checks the records (missing, duplicated or foreign parts, gaps, missing, wrong-size or foreign
+shards) and publishes through the same :func:`shardio.packer._publish` as a single-process
+pack, so the merged dataset is byte-identical whatever N was.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import re
 import shlex
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -33,6 +35,7 @@ from ._fsutil import (
     atomic_write_bytes,
     remove_temp_files,
     resolve_in,
+    translate_oserror,
 )
 from ._scan import ScanResult
 from .checksum import digest_bytes, file_digest
@@ -63,6 +66,7 @@ from .packstate import (
     STATE_NAME,
     _ours,
     _read_json,
+    _recorded_digest,
     _remove_parity,
 )
 
@@ -475,8 +479,11 @@ def _check_parts(out: str, records: list[tuple[str, dict[str, Any]]],
 
 
 def _merged_shards(out: str, ordered: list[dict[str, Any]], verify: bool) -> list[WrittenShard]:
-    """Every part's shards, in global order, after checking each is on disk with its size (and,
-    with ``verify``, its digest and its index's digest)."""
+    """Every part's shards, in global order, after checking each is on disk with its size and
+    is the one its part recorded, as far as that is cheap: a tar shard's ``.idx`` (small; it
+    holds the shard's digest and size) hashes to the recorded index digest, and an HDF5
+    shard's ``user.shardio.digest`` attribute, where it has one, is the recorded digest.  With
+    ``verify``, every shard is hashed too."""
     written = []
     for doc in ordered:
         rerun = (f"rerun part {doc['part']} ({_part_command(doc, out, doc['part'])}): it "
@@ -492,10 +499,17 @@ def _merged_shards(out: str, ordered: list[dict[str, Any]], verify: bool) -> lis
             if size != fact["bytes"]:
                 raise ShardCorruptError(f"{path} is {size} bytes, but part {doc['part']} of "
                                         f"{doc['parts']} wrote {fact['bytes']}; {rerun}")
-            if verify and (file_digest(path)[0] != fact["digest"]
-                           or (idx and file_digest(idx)[0] != fact["index_digest"])):
-                raise ShardCorruptError(f"{path} (or its index) does not hash to what part "
-                                        f"{doc['part']} of {doc['parts']} wrote; {rerun}")
+            recorded = _recorded_digest(path) if idx is None else None
+            try:
+                bad = ((idx is not None and file_digest(idx)[0] != fact["index_digest"])
+                       or (recorded is not None and recorded != (fact["digest"], fact["bytes"]))
+                       or (verify and file_digest(path)[0] != fact["digest"]))
+            except OSError as exc:
+                raise translate_oserror(exc, path, "reading") from exc
+            if bad:
+                raise ShardCorruptError(f"{path} (or its index) is not the shard part "
+                                        f"{doc['part']} of {doc['parts']} wrote (another "
+                                        f"job's, or damaged); {rerun}")
             written.append(WrittenShard(
                 path=path, index_path=idx, samples=fact["samples"], bytes=fact["bytes"],
                 digest=fact["digest"], index_digest=fact["index_digest"],
@@ -508,10 +522,13 @@ def merge(out: str | os.PathLike[str], *, verify: bool = False) -> Manifest:
     """Publish the manifest of a multi-node pack once every part has finished.
 
     Reads the part records ``pack`` left in ``out`` (``PackOptions.part``), checks that they form
-    one whole job and that every shard they list is on disk with its size, then builds and
+    one whole job and that every shard they list is on disk with its size and is the one its
+    part wrote (its index's digest, or an HDF5 shard's recorded digest), then builds and
     publishes the manifest exactly as a single-process pack of the same input and options
     would (byte for byte), writes parity if the job asked for it, and removes the part records
-    and state files.  Running it again afterwards returns the published manifest.
+    and state files.  Running it again afterwards returns the published manifest.  Merges of
+    one ``out`` run one at a time (a lock on the directory, where the filesystem has flock),
+    so every rank of a job may call it.
 
     Args:
         out: the output directory every part packed into.
@@ -522,12 +539,38 @@ def merge(out: str | os.PathLike[str], *, verify: bool = False) -> Manifest:
             ``out`` holds neither part records nor a manifest.
         ManifestError: records of different jobs or part counts, a duplicated part, shard
             ranges with gaps or overlaps (ManifestCorruptError: a damaged record).
-        ShardNotFoundError, ShardCorruptError: a listed shard is missing, of the wrong size, or
-            (with ``verify``) of the wrong digest.
+        ShardNotFoundError, ShardCorruptError: a listed shard is missing, of the wrong size,
+            not the one its part wrote (its index's digest), or (with ``verify``) of the wrong
+            digest.
     """
     out = os.fspath(out)
     if not os.path.isdir(out):
         raise UsageError(f"OUT {out} is not a directory")
+    with _merge_lock(out):
+        return _merge(out, verify)
+
+
+@contextmanager
+def _merge_lock(out: str) -> Iterator[None]:
+    """Serialise the merges of one OUT: every rank of a job may call :func:`merge`, and two at
+    once deleted each other's parity and temp files (exit 1, or a traceback).  An exclusive
+    ``flock`` on the directory itself (no file to clean up); a merge that waited then finds
+    the job merged.  Where the filesystem has no flock (NFS, Lustre mounted without it, which
+    may refuse one), merges are not serialised, as before."""
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                pass
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+def _merge(out: str, verify: bool) -> Manifest:
+    """:func:`merge` of a directory, under :func:`_merge_lock`."""
     names = sorted(os.listdir(out))
     found = [n for n in names if (m := _PART_FILE.fullmatch(n)) is not None and m[1] == "part"]
     if not found:
@@ -572,8 +615,8 @@ def merge(out: str | os.PathLike[str], *, verify: bool = False) -> Manifest:
     for doc in ordered:
         skipped.update(doc["skipped"])
     codec = Codec(options.codec_name, options.codec_level, dictionary)
-    manifest = _publish(out, options, head["labels"], head["files_in"], codec, head["job"],
-                        written, skipped, head["layout"])
+    manifest = _publish(out, options, head["labels"], codec, head["job"], written, skipped,
+                        head["layout"])
     _remove_part_files(out)
     return manifest
 
