@@ -184,8 +184,8 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         if sh[_CLAIM] != key:  # the first worker of a new round (or one that never ended)
             sh[_CLAIM] = key
             sh[_ROUND_DONE] = 0
-            sh[_ROUND_START] = sh[1]
-            sh[_ENDED_START] = -1
+            sh[_ENDED_START] = -1  # before the start: state_dict(batches=) reads them the other
+            sh[_ROUND_START] = sh[1]  # way round (see there)
         return int(sh[_ROUND_START])
 
     def _worker_finished(self, info: Any) -> None:
@@ -512,8 +512,13 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
                 # DataLoader workers iterate: ``batches`` counts from where their round began,
                 # or, once it ended (the position then went back to the epoch's start), where
                 # the round that ended began.
+                # The round's start first, then whether it ended: the workers write them the
+                # other way round (the ended mark before the start is reset to 0, and cleared
+                # before a new round's start is set), so a worker's update in between is seen
+                # whole.  Read ended-first, a round ending between the two reads gave start 0.
+                round_start = int(self._shared[_ROUND_START])
                 ended = int(self._shared[_ENDED_START])
-                start = ended if ended >= 0 else int(self._shared[_ROUND_START])
+                start = ended if ended >= 0 else round_start
             else:
                 start = self._cursor
             plan = self._plan(start)
