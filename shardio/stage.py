@@ -31,6 +31,9 @@ Copies
     compared with the manifest digests (shard and index), then renamed (index first, shard last,
     directory fsynced).  A mismatch means the original is corrupt: nothing is published,
     ``verify_failures`` is counted, readers (and the repair ladder) deal with the original.
+    An original that failed (mismatch or read error) is not copied again for another use while
+    the stager plans the same epoch and the file is unchanged (inode, size, mtime, ctime): each
+    attempt reads the whole shard (journal event ``known_bad``).
     ENOSPC/EDQUOT, or free space that would fall below ``reserve``, shrink the budget to what is in
     use, with one warning on the ``shardio.stage`` logger; readers read the rest directly.
 
@@ -165,6 +168,9 @@ class _Runner:
         self._warned = False
         self._buf = bytearray(_BLOCK)
         self._counted: set[tuple[int, int]] = set()  # uses (shard, epoch) counted (_count_use)
+        # shard -> (planned epoch, its originals' identity) of a copy that failed verification
+        # or reading: not read again for another use while both are the same (_known_bad)
+        self._bad: dict[int, tuple[int | None, tuple[Any, ...]]] = {}
 
     # --- bookkeeping ---------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
@@ -379,6 +385,10 @@ class _Runner:
     def _stage(self, k: int, victims: list[int]) -> None:
         p = self.planner
         s, e = p.shard[k], p.ep[k]
+        if s in self._bad and self._known_bad(s):
+            self._event("known_bad", s, e)
+            p.advance(k)
+            return
         size = self._size_of(s)
         reserve = int(self.opt.reserve)  # type: ignore[arg-type]
         if reserve > 0:
@@ -420,8 +430,36 @@ class _Runner:
             self._shrink(p.used, "the cache filesystem is full (ENOSPC/EDQUOT)"
                          if result == "full" else "writing to the cache failed")
         elif result != "stopped":
+            if result in ("verify_failure", "read_error"):
+                self._bad[s] = (p.epoch, self._source_id(s))
             self._event(result, s, e)
             p.advance(k)
+
+    def _source_id(self, i: int) -> tuple[Any, ...]:
+        """The identity of shard ``i``'s originals (shard and index): device, inode, size,
+        mtime and ctime of each (``None``: cannot stat it); any write or replacement changes it."""
+        entry = self.cache.manifest.shards[i]
+        out: list[Any] = []
+        for rel in (entry.path, entry.index):
+            if rel is None:
+                continue
+            try:
+                st = os.stat(resolve_in(self.cache.root, rel))
+            except OSError:
+                out.append(None)
+                continue
+            out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return tuple(out)
+
+    def _known_bad(self, i: int) -> bool:
+        """Whether shard ``i``'s originals failed a copy in the epoch planned now and are
+        unchanged since: copying them again would read the whole shard to fail the same way.
+        (A repaired or replaced original, or the next epoch, is tried again.)"""
+        epoch, ident = self._bad[i]
+        if epoch == self.planner.epoch and ident == self._source_id(i):
+            return True
+        del self._bad[i]
+        return False
 
     def _shrink(self, new: int, why: str) -> None:
         p = self.planner

@@ -1,0 +1,90 @@
+"""Node-local staging under adversarial conditions: corrupt originals, killed processes, readers
+that come and go faster than the stager looks.  Real files and real processes throughout; every
+wait has a deadline and stager processes are stopped in ``finally``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import shardio
+from shardio.manifest import Manifest
+from shardio.stage import NodeCache, StageOptions, Stager
+from tests.conftest import flip_bit
+from tests.test_stage import FAST, copy_ok, schedule, sizes_of, wait_until
+from tools.make_dataset import make_images
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """60 JPEGs (5-12 KB) in 15 tar shards of 4 samples (34-47 KB each, with .idx files)."""
+    base = tmp_path_factory.mktemp("advstage")
+    make_images(str(base / "src"), files=60, classes=3, min_kb=5, max_kb=12, seed=1, pool=12)
+    shardio.pack(base / "src", base / "ds", samples_per_shard=4, label_from_dir=True,
+                 fsync=False, progress=False)
+    return base / "ds"
+
+
+@pytest.fixture
+def stagers() -> Iterator[list[Stager]]:
+    started: list[Stager] = []
+    yield started
+    for st in started:
+        st.stop(timeout=5)
+
+
+def _copy_dataset(dataset: Path, tmp_path: Path) -> tuple[Path, Manifest]:
+    root = tmp_path / "ds"
+    shutil.copytree(dataset, root)
+    (tmp_path / "cache").mkdir()
+    return root, Manifest.load(root)
+
+
+def _journal(cache: NodeCache, shard: int) -> list[tuple[str, int]]:
+    return [(r["event"], r["epoch"]) for r in cache.journal() if r["shard"] == shard]
+
+
+# --- a corrupt original ------------------------------------------------------------------------
+def test_a_corrupt_original_is_read_once_not_once_per_use(dataset: Path, tmp_path: Path) -> None:
+    """Staging three epochs ahead read a corrupt original in full for each of its uses (three
+    reads, three warnings, verify_failures 3) although it fails the same way every time; with a
+    live stager that was two full reads per epoch (lookahead, then again after the re-plan)."""
+    root, m = _copy_dataset(dataset, tmp_path)
+    bad = 3
+    flip_bit(root / m.shards[bad].path, 1000)
+    cache = NodeCache(tmp_path / "cache", root, m)
+    counters = Stager(cache, schedule(m), StageOptions(journal=True, **FAST)).stage([0, 1, 2])
+    sizes = sizes_of(root, m)
+    assert counters["verify_failures"] == 1
+    assert counters["shards_staged"] == len(m.shards) - 1
+    assert counters["bytes_staged"] == sum(sizes)  # every original read once, the bad one too
+    assert _journal(cache, bad) == [("verify_failure", 0), ("known_bad", 1), ("known_bad", 2)]
+    assert cache.lookup(bad, wait=0) is None and not os.path.exists(cache.path(bad))
+
+
+def test_a_repaired_original_is_staged_at_its_next_use(dataset: Path, tmp_path: Path,
+                                                        stagers: list[Stager]) -> None:
+    """What the stager remembers of a bad original ends when the file changes (repaired in
+    place: same inode and size), not at the end of the epoch."""
+    root, m = _copy_dataset(dataset, tmp_path)
+    sched = schedule(m)
+    bad = int(sched(0).shards[0])  # the first copy of the walk: the rest leaves time to repair
+    flip_bit(root / m.shards[bad].path, 1000)
+    cache = NodeCache(tmp_path / "cache", root, m)
+    st = Stager(cache, sched, StageOptions(journal=True, bandwidth=250_000, lookahead=1,
+                                           reserve="1MiB", poll_interval=0.01))
+    stagers.append(st)
+    assert st.start(0, last_epoch=1)
+    wait_until(lambda: ("verify_failure", 0) in _journal(cache, bad), "the failed copy", cache)
+    flip_bit(root / m.shards[bad].path, 1000)  # repaired in place
+    wait_until(lambda: ("stage", 1) in _journal(cache, bad), "the repaired shard staged", cache)
+    assert _journal(cache, bad) == [("verify_failure", 0), ("stage", 1)]
+    assert copy_ok(cache, bad)
