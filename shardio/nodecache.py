@@ -23,7 +23,11 @@ Node file (little-endian; written by the stager except where noted)::
                                 (copies taken out of the cache: evicted, failed re-verification,
                                 discarded; bumped after the copy is unpublished and unlinked);
                                 ``discarded`` and ``removals`` are added to by readers too
-                                (atomic fetch-add), every other slot by the stager only
+                                (atomic fetch-add), every other slot by the stager only;
+                                then ``left``: 0, or ``T + 1`` of the furthest report of a
+                                reader that withdrew or closed since the stager took the lock
+                                (readers store it when larger; the stager zeroes it): readers
+                                that read the stager's last epoch between two of its looks
     320     4*N   state         u32 per shard: ShardState (futex word; readers only read it, except
                                 discard(), which unlinks the copy, then stores REMOTE)
 
@@ -105,6 +109,7 @@ _OFF_STATE = _OFF_COUNTERS + 8 * _SLOTS
 _PROGRESS_BYTES = 64
 _SLOT = {name: _OFF_COUNTERS + 8 * n for n, name in enumerate(COUNTERS + GAUGES)}
 _OFF_REMOVALS = _OFF_COUNTERS + 8 * len(_SLOT)  # see the node file layout (not a counter)
+_OFF_LEFT = _OFF_REMOVALS + 8  # see the node file layout
 _WAKE_ALL = 1 << 30
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -479,14 +484,24 @@ class NodeCache:
         read an epoch itself before DataLoader workers took over, would otherwise hold the
         frontier at that old position for the rest of the job."""
         if self._progress_pid == os.getpid() and self._progress is not None:
+            self._note_left()
             _unlink(os.path.join(self.progress_dir, str(self._progress_pid)))
             self._progress = None
             self._progress_forks = -1  # the next report creates the file again
+
+    def _note_left(self) -> None:
+        """Leave this process's last report in the node file's ``left`` slot when it is the
+        furthest (a race between two leaving readers may keep the nearer one: they are steps
+        apart, and the stager only compares its epoch with its last)."""
+        word = _load_u64(self._progress, 8)  # type: ignore[arg-type]
+        if word > _load_u64(self._mm, _OFF_LEFT):
+            _store_u64(self._mm, _OFF_LEFT, word)
 
     def close(self) -> None:
         """Stop reporting: remove this process's progress file (lookups keep working).  A process
         that stops reading must call it, or its last report holds the frontier back."""
         if self._progress_pid == os.getpid() and self._progress is not None:
+            self._note_left()
             _unlink(os.path.join(self.progress_dir, str(self._progress_pid)))
         self._progress = None
         self._closed = True

@@ -74,6 +74,7 @@ from .nodecache import (
     _FULL,
     _OFF_GEN,
     _OFF_IDLE,
+    _OFF_LEFT,
     _OFF_PID,
     _OFF_STATE,
     _SLOT,
@@ -268,6 +269,7 @@ class _Runner:
         free = self._free()
         p.budget = (max(0, p.used + free - int(self.opt.reserve))  # type: ignore[arg-type]
                     if self.opt.budget is None else int(self.opt.budget))
+        _store_u64(self.mm, _OFF_LEFT, 0)  # (a run before this stager's)
         _store_u64(self.mm, _OFF_PID, os.getpid())
         _fetch_add_u64(self.mm, _OFF_GEN, 1)
         self._gauges()
@@ -312,14 +314,20 @@ class _Runner:
             if act[0] in ("wait", "end"):
                 if not wait:
                     return
-                if (act[0] == "end" and span is None and reached_last
-                        and epochs.last in p.epochs):
+                if span is None and (self._left_after(epochs.last) or (
+                        act[0] == "end" and reached_last and epochs.last in p.epochs)):
                     return  # the readers have gone after the last epoch
                 self._set_idle(1 if lo is None else lo + 2)
                 time.sleep(self.opt.poll_interval)
                 continue
             self._set_idle(0)
             self._do(act, hi)
+
+    def _left_after(self, last: int | None) -> bool:
+        """A reader left (withdrew or closed) in or after epoch ``last``: the readers may have
+        read it between two looks of ours, never seen in it (see the node file's ``left``)."""
+        word = _load_u64(self.mm, _OFF_LEFT)
+        return last is not None and word != 0 and (word - 1) >> _POS_BITS >= last
 
     def _sync_discards(self, hi: int | None) -> None:
         """Copies a reader discarded (state REMOTE while we hold them)."""

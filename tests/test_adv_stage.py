@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,3 +88,31 @@ def test_a_repaired_original_is_staged_at_its_next_use(dataset: Path, tmp_path: 
     wait_until(lambda: ("stage", 1) in _journal(cache, bad), "the repaired shard staged", cache)
     assert _journal(cache, bad) == [("verify_failure", 0), ("stage", 1)]
     assert copy_ok(cache, bad)
+
+
+# --- the stager's exit after its last epoch ----------------------------------------------------
+def test_the_stager_exits_when_readers_passed_its_last_epoch_unseen(
+        dataset: Path, tmp_path: Path, stagers: list[Stager]) -> None:
+    """``start(last_epoch=1)``: readers that read epoch 1 and left between two looks of the
+    stager (a busy or descheduled stager: a long copy, a loaded node) were never seen in it, and
+    the stager waited for them for good (``join()`` hung; tests/test_stage.py's four-rank test
+    timed out on a loaded 2-core machine)."""
+    m = Manifest.load(dataset)
+    n = sum(s.samples for s in m.shards)
+    cache = NodeCache(tmp_path, dataset, m)
+    st = Stager(cache, schedule(m), StageOptions(**FAST))
+    stagers.append(st)
+    assert st.start(0, last_epoch=1)
+    wait_until(lambda: cache.status()["idle"] and cache.status()["idle_at"] is None,
+               "the stager to stage everything before any report", cache)
+    pid = st.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # it looks at the readers again only after they are gone
+    try:
+        for e in (0, 1):
+            for pos in range(0, n, 4):
+                cache.report(e, pos)
+        cache.close()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert st.join(10) == 0
