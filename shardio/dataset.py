@@ -244,16 +244,18 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self.epoch = int(epoch)
         self._start_staging(self.epoch)
 
-    def _order(self, epoch: int | None = None, batch_size: int | None = None) -> Any:
+    def _order(self, epoch: int | None = None, batch_size: int | None = None,
+               settle: bool = True) -> Any:
         """The order of ``epoch`` (default: the current one): an :class:`EpochOrder`, or with
-        ``order="node"`` a :class:`NodeAffineOrder` whose parameters are fixed on first use."""
+        ``order="node"`` a :class:`NodeAffineOrder` whose parameters are fixed on first use
+        (``settle``: by this call, when not yet fixed)."""
         o = self.options
         epoch = self.epoch if epoch is None else epoch
         counts = np.diff(self.reader.offsets)
         if o.order == "global":
             return EpochOrder(counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle,
                               shuffle_block=o.shuffle_block)
-        c, u, q = self._node_params(batch_size or o.batch_size)
+        c, u, q = self._node_params(batch_size or o.batch_size, settle)
         return NodeAffineOrder(counts, seed=o.seed, epoch=epoch, canonical_nodes=c,
                                slice_size=u, canonical_ranks=q, remainder=o.remainder,
                                shuffle=o.shuffle, shuffle_block=o.shuffle_block)
@@ -398,9 +400,14 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         return cache
 
     def schedule(self, epoch: int, batch_size: int | None = None) -> NodeSchedule:
-        """When this rank's node reads each shard in ``epoch`` (what the stager works from)."""
+        """When this rank's node reads each shard in ``epoch`` (what the stager works from).
+
+        It does not settle the node order's parameters: the stager, forked at ``set_epoch()``
+        with ``ReadOptions.batch_size``, shares them with this process, and froze them with
+        that batch size on its rank only, before a ShardLoader with another one began; the
+        ranks then split different orders (samples lost and others delivered twice)."""
         topo, o = self.topology, self.options
-        order = self._order(epoch, batch_size)
+        order = self._order(epoch, batch_size, settle=False)
         return node_schedule(order, world_size=topo.world_size,
                              local_world_size=topo.local_world_size, node=topo.node,
                              batch_size=batch_size or o.batch_size, remainder=o.remainder)

@@ -10,12 +10,14 @@ import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import shardio
 from shardio.manifest import Manifest
 from shardio.stage import NodeCache, StageOptions, Stager
+from shardio.topology import Topology
 from tests.conftest import flip_bit
 from tests.test_stage import FAST, copy_ok, schedule, sizes_of, wait_until
 from tools.make_dataset import make_images
@@ -116,3 +118,41 @@ def test_the_stager_exits_when_readers_passed_its_last_epoch_unseen(
     finally:
         os.kill(pid, signal.SIGCONT)
     assert st.join(10) == 0
+
+
+# --- the node-affine order and the stager --------------------------------------------------------
+def _rank_keys(root: Path, rank: int, cache_dir: Path | None, datasets: list[Any]) -> list[str]:
+    """What rank ``rank`` of 4 (two nodes of two ranks) reads in epoch 0 through a ShardLoader
+    of batch 4 over a dataset left at ReadOptions.batch_size=1, set_epoch() first."""
+    topo = Topology(rank=rank, world_size=4, local_rank=rank % 2, local_world_size=2)
+    kw: dict[str, Any] = {} if cache_dir is None else {"cache_dir": str(cache_dir),
+                                                       "cache_reserve": 0}
+    ds = shardio.ShardDataset(root, seed=5, order="node", topology=topo, **kw)
+    datasets.append(ds)
+    loader = shardio.ShardLoader(ds, batch_size=4, num_workers=0,
+                                 collate_fn=lambda b: [s["__key__"] for s in b])
+    loader.set_epoch(0)
+    if cache_dir is not None and ds._stager.pid is not None:  # this rank runs the node's stager
+        wait_until(lambda: ds.cache.status()["idle"], "the stager to plan and stage", ds.cache)
+    return [k for batch in loader for k in batch]
+
+
+def test_the_stager_does_not_fix_the_node_order_with_another_batch_size(
+        dataset: Path, tmp_path: Path) -> None:
+    """The stager (forked at set_epoch(), sharing the dataset's shared array) computed its
+    schedule with ReadOptions.batch_size and so settled the node-affine order's parameters
+    (C, U, q) with it, on the stager's rank only; the ShardLoader's batch size settled them on
+    the other ranks.  The ranks split different orders: of 60 samples, some were delivered
+    twice in the epoch and others never."""
+    datasets: list[Any] = []
+    try:
+        (tmp_path / "c0").mkdir()
+        (tmp_path / "c1").mkdir()
+        staged = [_rank_keys(dataset, r, tmp_path / f"c{r // 2}", datasets) for r in range(4)]
+        plain = [_rank_keys(dataset, r, None, datasets) for r in range(4)]
+        assert staged == plain
+        assert {d._node_order for d in datasets} == {datasets[-1]._node_order}
+    finally:
+        for d in datasets:
+            if d._stager is not None:
+                d._stager.stop()
