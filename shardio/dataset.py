@@ -111,6 +111,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
 
             self.reader.set_arena(Arena(chunk_bytes=max(CHUNK_BYTES, options.read_block)))
         self._stager: Any = None
+        self._stage_batch = 0  # the batch size self._stager's schedule was made with
         # Epoch and resume cursor live in a tiny shared array so that DataLoader workers kept
         # alive across epochs (persistent_workers=True) see set_epoch()/load_state_dict().
         # A third slot counts iterations in DataLoader workers (see state_dict); the next three
@@ -419,8 +420,14 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             return
         from .stage import Stager
 
+        if self._stager is not None and batch_size and batch_size != self._stage_batch:
+            # Made at set_epoch() with ReadOptions.batch_size, before a ShardLoader with another
+            # batch size began: it stages another job's schedule (on several nodes, shards this
+            # node does not read instead of some it does).  The next one follows the loader.
+            self._stager.stop(2.0)
+            self._stager = None
         if self._stager is None:
-            bs = batch_size or self.options.batch_size
+            bs = self._stage_batch = batch_size or self.options.batch_size
             me = weakref.ref(self)  # the stager must not keep this dataset alive
             self._stager = Stager(self.cache, lambda e: me().schedule(e, bs),  # type: ignore
                                   self._stage_options())

@@ -156,3 +156,29 @@ def test_the_stager_does_not_fix_the_node_order_with_another_batch_size(
         for d in datasets:
             if d._stager is not None:
                 d._stager.stop()
+
+
+def test_the_stager_follows_the_loaders_batch_size_after_set_epoch(dataset: Path,
+                                                                  tmp_path: Path) -> None:
+    """set_epoch() before the ShardLoader's first iteration (the usual loop) made the node's
+    stager with ReadOptions.batch_size (1); the loader's own batch size (8) did not replace it,
+    so on a job of several nodes it staged the shards of another slicing of the epoch: here
+    shards 9 and 10, which node 0 reads in epoch 1, were never staged (read from the shared
+    filesystem), while shards it does not read were."""
+    topo = Topology(rank=0, world_size=4, local_rank=0, local_world_size=1)  # 4 nodes
+    ds = shardio.ShardDataset(dataset, seed=3, topology=topo, cache_dir=str(tmp_path),
+                              cache_reserve=0)
+    try:
+        loader = shardio.ShardLoader(ds, batch_size=8, num_workers=0,
+                                     collate_fn=lambda b: [s["__key__"] for s in b])
+        loader.set_epoch(0)
+        wait_until(lambda: ds.cache.status()["idle"], "the stager made by set_epoch", ds.cache)
+        assert sum(1 for _ in loader) == 2  # 15 samples per rank, batches of 8
+        wait_until(lambda: ds.cache.status()["idle"], "the stager to plan epochs 0-1", ds.cache)
+        needed = set(ds.schedule(1, 8).shards.tolist())
+        assert {9, 10} <= needed - set(ds.schedule(0, 1).shards.tolist()) - set(
+            ds.schedule(1, 1).shards.tolist())  # (what the test is about: see the docstring)
+        assert {i for i in needed if ds.cache.lookup(i, wait=0) is None} == set()
+    finally:
+        if ds._stager is not None:
+            ds._stager.stop()
