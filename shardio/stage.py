@@ -638,6 +638,7 @@ class Stager:
         self._owner = 0
         self._status: int | None = None
         self._forked = 0.0  # time.monotonic() of the last fork
+        self._first = 0  # the epoch the stager process this object started plans from at least
         self._verified: dict[int, int] = {}
 
     @property
@@ -675,13 +676,20 @@ class Stager:
         the epochs, and exits after ``last_epoch`` once the readers have passed it or gone
         (``None``: runs until :meth:`stop`, or until this process dies: ``PR_SET_PDEATHSIG``).
         Call it from a process that lives as long as the training, in its main thread.
+        An ``epoch`` before the one the running stager (started here) was given replaces it:
+        it never plans an epoch before its first (readers that went back, a rollback to an
+        earlier checkpoint, would be read directly while it stages epochs to come).
         """
         if self.pid is not None and self.join(0) is None:
-            if not self._stuck_in_fork():
+            if int(epoch) < self._first:
+                self.stop(timeout=2.0)
+            elif not self._stuck_in_fork():
                 return True
-            log.warning("stager process %d was still inside fork %g s after it (see "
-                        "shardio.config.START_TIMEOUT); replacing it", self.pid, START_TIMEOUT)
-            self.stop(timeout=0.0)
+            else:
+                log.warning("stager process %d was still inside fork %g s after it (see "
+                            "shardio.config.START_TIMEOUT); replacing it", self.pid,
+                            START_TIMEOUT)
+                self.stop(timeout=0.0)
         self._pid = None
         fd = self._try_lock()
         if fd is None:
@@ -696,7 +704,7 @@ class Stager:
             self._child(fd, parent, _Epochs(None, int(epoch), last_epoch))
         os.close(fd)  # the child's descriptor keeps the lock
         self._pid, self._owner, self._status = pid, parent, None
-        self._forked = time.monotonic()
+        self._forked, self._first = time.monotonic(), int(epoch)
         return True
 
     def _stuck_in_fork(self) -> bool:

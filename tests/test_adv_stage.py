@@ -182,3 +182,25 @@ def test_the_stager_follows_the_loaders_batch_size_after_set_epoch(dataset: Path
     finally:
         if ds._stager is not None:
             ds._stager.stop()
+
+
+# --- epochs planned ------------------------------------------------------------------------------
+def test_readers_that_go_back_to_an_earlier_epoch_are_staged_for(
+        dataset: Path, tmp_path: Path, stagers: list[Stager]) -> None:
+    """A stager started at epoch 2 plans no epoch before 2 (its floor, against stale reports),
+    and a later start(0) (set_epoch(0) after a rollback to an earlier checkpoint) found it
+    running and left it so: while the readers read epoch 0 it staged epochs 2-3 (within a
+    budget of a few shards, evicting for them) and nothing of epoch 0."""
+    m = Manifest.load(dataset)
+    cache = NodeCache(tmp_path, dataset, m)
+    st = Stager(cache, schedule(m), StageOptions(budget="150KB", journal=True, **FAST))
+    stagers.append(st)
+    assert st.start(2)
+    wait_until(lambda: cache.status()["idle"], "epochs 2-3 planned", cache)
+    assert {r["epoch"] for r in cache.journal() if r["event"] == "stage"} == {2}
+    assert st.start(0)
+    for pos in (0, 8, 16):
+        cache.report(0, pos)
+        wait_until(lambda pos=pos: cache.status()["idle_at"] == (0, pos), "epoch 0", cache)
+    assert any(r["event"] == "stage" and r["epoch"] == 0 for r in cache.journal())
+    cache.close()
