@@ -710,8 +710,10 @@ class Stager:
     def _stuck_in_fork(self) -> bool:
         """The stager this object forked has not written its pid ``START_TIMEOUT`` after it: it
         is stuck inside fork ("Stuck start" in :mod:`shardio.pool`), holding the node's lock
-        while it stages nothing."""
+        while it stages nothing.  (Nor in the node file, where it stores it as it begins: a
+        cache filesystem too full for the lock file's few bytes refuses it there only.)"""
         return (self.holder() != self._pid
+                and _load_u64(self.cache._mm, _OFF_PID) != self._pid
                 and time.monotonic() - self._forked > START_TIMEOUT)
 
     def _child(self, fd: int, parent: int, epochs: _Epochs) -> None:  # pragma: no cover

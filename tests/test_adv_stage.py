@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -204,3 +205,31 @@ def test_readers_that_go_back_to_an_earlier_epoch_are_staged_for(
         wait_until(lambda pos=pos: cache.status()["idle_at"] == (0, pos), "epoch 0", cache)
     assert any(r["event"] == "stage" and r["epoch"] == 0 for r in cache.journal())
     cache.close()
+
+
+# --- a full cache filesystem ---------------------------------------------------------------------
+def test_a_stager_on_a_full_cache_filesystem_is_not_taken_for_one_stuck_in_fork(
+        dataset: Path, small_tmpfs: Path, stagers: list[Stager],
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A stager records its pid in the lock file, which a full cache filesystem refuses (it
+    carries on: the write is informational); start() then took the healthy stager for one stuck
+    inside fork once START_TIMEOUT had passed, SIGKILLed it (mid-copy) and forked another, at
+    every epoch, with a warning that blamed CPython."""
+    import shardio.stage
+
+    monkeypatch.setattr(shardio.stage, "START_TIMEOUT", 0.5)
+    m = Manifest.load(dataset)
+    cache = NodeCache(small_tmpfs, dataset, m)
+    with open(small_tmpfs / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+        while True:
+            f.write(b"\0" * 65536)
+    st = Stager(cache, schedule(m), StageOptions(reserve=0, poll_interval=0.01))
+    stagers.append(st)
+    assert st.start(0)
+    first = st.pid
+    wait_until(lambda: cache.status()["pid"] == first, "the stager", cache)
+    time.sleep(0.7)
+    with caplog.at_level("WARNING", logger="shardio.stage"):
+        assert st.start(1)
+    assert st.pid == first
+    assert not any("inside fork" in r.getMessage() for r in caplog.records)
