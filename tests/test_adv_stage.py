@@ -233,3 +233,27 @@ def test_a_stager_on_a_full_cache_filesystem_is_not_taken_for_one_stuck_in_fork(
         assert st.start(1)
     assert st.pid == first
     assert not any("inside fork" in r.getMessage() for r in caplog.records)
+
+
+def test_an_index_file_missing_for_a_while_is_staged_once_back(
+        dataset: Path, tmp_path: Path, stagers: list[Stager]) -> None:
+    """The stager took the size of a shard's index file when it first planned the shard, and
+    kept 0 when the file could not be stat'ed (gone for a moment: being restored or rewritten,
+    a transient error of the shared filesystem).  Every later copy then compared the whole
+    index with 0 bytes and failed as a corrupt original ("run `shardio verify`") for as long as
+    the stager ran, though the file was back and good."""
+    root, m = _copy_dataset(dataset, tmp_path)
+    sched = schedule(m)
+    gone = int(sched(0).shards[0])  # the first copy of the walk: the rest leaves time to restore
+    index = root / str(m.shards[gone].index)
+    os.rename(index, tmp_path / "away")
+    cache = NodeCache(tmp_path / "cache", root, m)
+    st = Stager(cache, sched, StageOptions(journal=True, bandwidth=250_000, lookahead=1,
+                                           reserve="1MiB", poll_interval=0.01))
+    stagers.append(st)
+    assert st.start(0)
+    wait_until(lambda: ("read_error", 0) in _journal(cache, gone), "the failed copy", cache)
+    os.rename(tmp_path / "away", index)
+    wait_until(lambda: any(e == 1 for _, e in _journal(cache, gone)), "its epoch-1 use", cache)
+    assert _journal(cache, gone) == [("read_error", 0), ("stage", 1)]
+    assert copy_ok(cache, gone) and cache.counters()["verify_failures"] == 0
