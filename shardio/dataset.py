@@ -434,7 +434,14 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             # Gone with the dataset (a notebook making many), not only with the process; at
             # exit the parent-death signal ends it, as before.
             weakref.finalize(self, self._stager.stop, 2.0).atexit = False
-        self._stager.start(epoch)
+        try:
+            self._stager.start(epoch)
+        except StagingError as exc:
+            if not getattr(exc, "full", False):
+                raise
+            # (As when the disk is full when the dataset is made: read directly; the next
+            # epoch tries again.)
+            log.warning("node cache: %s; reading without staging", exc)
 
     def _report(self, epoch: int, position: int) -> None:
         """Tell the stager where this reader is (epoch position of the step being read)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -257,3 +258,45 @@ def test_an_index_file_missing_for_a_while_is_staged_once_back(
     wait_until(lambda: any(e == 1 for _, e in _journal(cache, gone)), "its epoch-1 use", cache)
     assert _journal(cache, gone) == [("read_error", 0), ("stage", 1)]
     assert copy_ok(cache, gone) and cache.counters()["verify_failures"] == 0
+
+
+@pytest.fixture
+def few_inodes_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real tmpfs of 2 MiB and 64 inodes, unmounted after the test; skipped where mounting is
+    not permitted."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,nr_inodes=64", "tmpfs",
+                               str(mnt)], check=False, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], check=False, capture_output=True,
+                          timeout=30).returncode:
+            subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True,
+                           timeout=30)
+
+
+def test_a_cache_filesystem_full_when_staging_starts_reads_directly(
+        dataset: Path, few_inodes_tmpfs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The cache filesystem filled up (here its inodes: a files quota does the same) between
+    making the dataset and the first set_epoch(), which creates the stager's lock file:
+    set_epoch() and every iteration raised StagingError, where a full disk means reading
+    directly (as when it is full when the dataset is made, or fills up later)."""
+    ds = shardio.ShardDataset(dataset, seed=1, cache_dir=str(few_inodes_tmpfs), cache_reserve=0)
+    try:
+        with pytest.raises(OSError):
+            for i in range(100):
+                (few_inodes_tmpfs / f"f{i}").touch()
+        with caplog.at_level("WARNING", logger="shardio.dataset"):
+            ds.set_epoch(0)
+            assert len(list(ds)) == Manifest.load(dataset).num_samples
+        assert "reading without staging" in caplog.text
+    finally:
+        if ds._stager is not None:
+            ds._stager.stop()
