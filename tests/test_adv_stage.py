@@ -300,3 +300,35 @@ def test_a_cache_filesystem_full_when_staging_starts_reads_directly(
     finally:
         if ds._stager is not None:
             ds._stager.stop()
+
+
+# --- progress reports --------------------------------------------------------------------------
+def test_two_datasets_over_the_same_data_in_one_process_report_apart(
+        dataset: Path, tmp_path: Path) -> None:
+    """Both NodeCaches of one process wrote .progress/<pid>: a second ShardDataset over the same
+    data (an evaluation pass in the training process, a deep copy) replaced the training
+    reader's file, then removed it when its pass ended, and the stager saw no reader for the
+    rest of the training epoch (it copied shards already read and skipped none in use)."""
+    train = shardio.ShardDataset(dataset, seed=1, batch_size=4, cache_dir=str(tmp_path),
+                                 cache_reserve=0)
+    other = shardio.ShardDataset(dataset, shuffle=False, batch_size=4, cache_dir=str(tmp_path),
+                                 cache_reserve=0)
+    try:
+        train.set_epoch(3)
+        it = iter(train)
+        next(it)
+        assert train.cache.frontier() == (3, 0)
+        it2 = iter(other)
+        next(it2)
+        assert train.cache.frontier() == (0, 0)  # the slowest of the two readers
+        assert len(list(it2)) == Manifest.load(dataset).num_samples - 1
+        for _ in range(4):
+            next(it)
+        assert train.cache.frontier() == (3, 4)
+        it.close()
+        assert train.cache.frontier() is None
+        assert os.listdir(train.cache.progress_dir) == []
+    finally:
+        for d in (train, other):
+            if d._stager is not None:
+                d._stager.stop()
