@@ -111,6 +111,7 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
 
             self.reader.set_arena(Arena(chunk_bytes=max(CHUNK_BYTES, options.read_block)))
         self._stager: Any = None
+        self._stage_batch = 0  # the batch size self._stager's schedule was made with
         # Epoch and resume cursor live in a tiny shared array so that DataLoader workers kept
         # alive across epochs (persistent_workers=True) see set_epoch()/load_state_dict().
         # A third slot counts iterations in DataLoader workers (see state_dict); the next three
@@ -244,16 +245,18 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         self.epoch = int(epoch)
         self._start_staging(self.epoch)
 
-    def _order(self, epoch: int | None = None, batch_size: int | None = None) -> Any:
+    def _order(self, epoch: int | None = None, batch_size: int | None = None,
+               settle: bool = True) -> Any:
         """The order of ``epoch`` (default: the current one): an :class:`EpochOrder`, or with
-        ``order="node"`` a :class:`NodeAffineOrder` whose parameters are fixed on first use."""
+        ``order="node"`` a :class:`NodeAffineOrder` whose parameters are fixed on first use
+        (``settle``: by this call, when not yet fixed)."""
         o = self.options
         epoch = self.epoch if epoch is None else epoch
         counts = np.diff(self.reader.offsets)
         if o.order == "global":
             return EpochOrder(counts, seed=o.seed, epoch=epoch, shuffle=o.shuffle,
                               shuffle_block=o.shuffle_block)
-        c, u, q = self._node_params(batch_size or o.batch_size)
+        c, u, q = self._node_params(batch_size or o.batch_size, settle)
         return NodeAffineOrder(counts, seed=o.seed, epoch=epoch, canonical_nodes=c,
                                slice_size=u, canonical_ranks=q, remainder=o.remainder,
                                shuffle=o.shuffle, shuffle_block=o.shuffle_block)
@@ -408,9 +411,14 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
         return cache
 
     def schedule(self, epoch: int, batch_size: int | None = None) -> NodeSchedule:
-        """When this rank's node reads each shard in ``epoch`` (what the stager works from)."""
+        """When this rank's node reads each shard in ``epoch`` (what the stager works from).
+
+        It does not settle the node order's parameters: the stager, forked at ``set_epoch()``
+        with ``ReadOptions.batch_size``, shares them with this process, and froze them with
+        that batch size on its rank only, before a ShardLoader with another one began; the
+        ranks then split different orders (samples lost and others delivered twice)."""
         topo, o = self.topology, self.options
-        order = self._order(epoch, batch_size)
+        order = self._order(epoch, batch_size, settle=False)
         return node_schedule(order, world_size=topo.world_size,
                              local_world_size=topo.local_world_size, node=topo.node,
                              batch_size=batch_size or o.batch_size, remainder=o.remainder)
@@ -422,15 +430,28 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             return
         from .stage import Stager
 
+        if self._stager is not None and batch_size and batch_size != self._stage_batch:
+            # Made at set_epoch() with ReadOptions.batch_size, before a ShardLoader with another
+            # batch size began: it stages another job's schedule (on several nodes, shards this
+            # node does not read instead of some it does).  The next one follows the loader.
+            self._stager.stop(2.0)
+            self._stager = None
         if self._stager is None:
-            bs = batch_size or self.options.batch_size
+            bs = self._stage_batch = batch_size or self.options.batch_size
             me = weakref.ref(self)  # the stager must not keep this dataset alive
             self._stager = Stager(self.cache, lambda e: me().schedule(e, bs),  # type: ignore
                                   self._stage_options())
             # Gone with the dataset (a notebook making many), not only with the process; at
             # exit the parent-death signal ends it, as before.
             weakref.finalize(self, self._stager.stop, 2.0).atexit = False
-        self._stager.start(epoch)
+        try:
+            self._stager.start(epoch)
+        except StagingError as exc:
+            if not getattr(exc, "full", False):
+                raise
+            # (As when the disk is full when the dataset is made: read directly; the next
+            # epoch tries again.)
+            log.warning("node cache: %s; reading without staging", exc)
 
     def _report(self, epoch: int, position: int) -> None:
         """Tell the stager where this reader is (epoch position of the step being read)."""

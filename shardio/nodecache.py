@@ -6,6 +6,8 @@ Files under ``<cache_dir>/shardio-<first 16 hex of the manifest digest>/``::
     .stager.lock    flock(LOCK_EX) held by the stager for its lifetime; holds its pid (informational)
     .node           node file (mmap, layout below): stager status, node counters, shard states
     .progress/PID   one per reading process (mmap, 64 bytes): where that process is in the epoch
+                    (``PID.K``: another NodeCache of this dataset in the same process, such as
+                    a second ShardDataset over the same data: each reader keeps its own)
     .journal        JSON lines, one per stager action (only with ``StageOptions(journal=True)``)
     data/<path>     published copies: shard and ``.idx`` at the manifest's relative paths
 
@@ -23,7 +25,11 @@ Node file (little-endian; written by the stager except where noted)::
                                 (copies taken out of the cache: evicted, failed re-verification,
                                 discarded; bumped after the copy is unpublished and unlinked);
                                 ``discarded`` and ``removals`` are added to by readers too
-                                (atomic fetch-add), every other slot by the stager only
+                                (atomic fetch-add), every other slot by the stager only;
+                                then ``left``: 0, or ``T + 1`` of the furthest report of a
+                                reader that withdrew or closed since the stager took the lock
+                                (readers store it when larger; the stager zeroes it): readers
+                                that read the stager's last epoch between two of its looks
     320     4*N   state         u32 per shard: ShardState (futex word; readers only read it, except
                                 discard(), which unlinks the copy, then stores REMOTE)
 
@@ -105,6 +111,7 @@ _OFF_STATE = _OFF_COUNTERS + 8 * _SLOTS
 _PROGRESS_BYTES = 64
 _SLOT = {name: _OFF_COUNTERS + 8 * n for n, name in enumerate(COUNTERS + GAUGES)}
 _OFF_REMOVALS = _OFF_COUNTERS + 8 * len(_SLOT)  # see the node file layout (not a counter)
+_OFF_LEFT = _OFF_REMOVALS + 8  # see the node file layout
 _WAKE_ALL = 1 << 30
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -241,6 +248,7 @@ def _unlink(path: str | None) -> None:
 
 
 _AT_EXIT: set[tuple[str, int]] = set()  # progress files this process removes at exit
+_PROGRESS_NAMES: dict[tuple[str, int], int] = {}  # (progress dir, pid) -> NodeCaches named
 
 
 def _unlink_if_owner(path: str, pid: int) -> None:
@@ -294,6 +302,7 @@ class NodeCache:
         self._paths: list[str | None] = [None] * self.n
         self._progress: mmap.mmap | None = None
         self._progress_pid = 0
+        self._progress_name = ""  # .progress/<name> of this object in process _progress_pid
         self._progress_forks = -1
         self._closed = False
         _watch_forks()
@@ -438,12 +447,20 @@ class NodeCache:
             _store_u64(self._progress, 8, word)
 
     def _open_progress(self, word: int) -> None:
-        pid = self._progress_pid = os.getpid()
+        pid = os.getpid()
+        if pid != self._progress_pid or not self._progress_name:
+            # Its own file per object: two NodeCaches of the dataset in one process (a second
+            # ShardDataset over the same data) would replace each other's file, and the first
+            # to withdraw would remove the other's report.
+            k = _PROGRESS_NAMES.get((self.progress_dir, pid), 0)
+            _PROGRESS_NAMES[(self.progress_dir, pid)] = k + 1
+            self._progress_name = str(pid) if k == 0 else f"{pid}.{k}"
+        self._progress_pid = pid
         self._progress_forks = _FORKS[0]
         self._progress = None
         if self._closed:
             return
-        path = os.path.join(self.progress_dir, str(pid))
+        path = os.path.join(self.progress_dir, self._progress_name)
         tmp = tmp_name(path)
         try:
             with open(tmp, "wb") as f:
@@ -479,15 +496,25 @@ class NodeCache:
         read an epoch itself before DataLoader workers took over, would otherwise hold the
         frontier at that old position for the rest of the job."""
         if self._progress_pid == os.getpid() and self._progress is not None:
-            _unlink(os.path.join(self.progress_dir, str(self._progress_pid)))
+            self._note_left()
+            _unlink(os.path.join(self.progress_dir, self._progress_name))
             self._progress = None
             self._progress_forks = -1  # the next report creates the file again
+
+    def _note_left(self) -> None:
+        """Leave this process's last report in the node file's ``left`` slot when it is the
+        furthest (a race between two leaving readers may keep the nearer one: they are steps
+        apart, and the stager only compares its epoch with its last)."""
+        word = _load_u64(self._progress, 8)  # type: ignore[arg-type]
+        if word > _load_u64(self._mm, _OFF_LEFT):
+            _store_u64(self._mm, _OFF_LEFT, word)
 
     def close(self) -> None:
         """Stop reporting: remove this process's progress file (lookups keep working).  A process
         that stops reading must call it, or its last report holds the frontier back."""
         if self._progress_pid == os.getpid() and self._progress is not None:
-            _unlink(os.path.join(self.progress_dir, str(self._progress_pid)))
+            self._note_left()
+            _unlink(os.path.join(self.progress_dir, self._progress_name))
         self._progress = None
         self._closed = True
         self._progress_pid, self._progress_forks = os.getpid(), _FORKS[0]
@@ -521,12 +548,18 @@ class NodeCache:
             return []
 
 
+def _reporter_pid(name: str) -> int | None:
+    """The pid of the progress file ``name`` (``PID`` or ``PID.K``); None for other files."""
+    pid, dot, k = name.partition(".")
+    return int(pid) if pid.isdigit() and (not dot or k.isdigit()) else None
+
+
 class _Reporters:
     """The stager's view of the progress files (mapped read-only)."""
 
     def __init__(self, directory: str) -> None:
         self.dir = directory
-        self.maps: dict[int, mmap.mmap] = {}
+        self.maps: dict[str, mmap.mmap] = {}  # file name (PID or PID.K) -> its mapping
         self._checked = -INF
 
     def poll(self) -> tuple[int, int] | None:
@@ -546,9 +579,9 @@ class _Reporters:
             names = os.listdir(self.dir)
         except FileNotFoundError:
             names = []
-        pids = {int(n) for n in names if n.isdigit()}
-        for pid in [p for p in self.maps if p not in pids]:
-            self.maps.pop(pid).close()
+        files = {n: pid for n in names if (pid := _reporter_pid(n)) is not None}
+        for name in [n for n in self.maps if n not in files]:
+            self.maps.pop(name).close()
         now = time.monotonic()
         check = now - self._checked >= 0.5
         if check:
@@ -559,24 +592,24 @@ class _Reporters:
                 if mark and head.startswith(".") and owner.isdigit() and not _pid_alive(
                         int(owner)):
                     _unlink(os.path.join(self.dir, n))
-        for pid in pids:
-            m = self.maps.get(pid)
+        for name, pid in files.items():
+            m = self.maps.get(name)
             if m is None:
                 try:
-                    with open(os.path.join(self.dir, str(pid)), "rb") as f:
+                    with open(os.path.join(self.dir, name), "rb") as f:
                         m = mmap.mmap(f.fileno(), _PROGRESS_BYTES, access=mmap.ACCESS_READ)
                 except (OSError, ValueError):
                     continue
                 if m[:8] != _PROGRESS_MAGIC:
                     m.close()
                     continue
-                self.maps[pid] = m
+                self.maps[name] = m
             elif not check:
                 continue
             # (The start time at offset 16: 0 in a file written before it was recorded.)
             if not _pid_alive(pid, _load_u64(m, 16)):
-                self.maps.pop(pid).close()
-                _unlink(os.path.join(self.dir, str(pid)))
+                self.maps.pop(name).close()
+                _unlink(os.path.join(self.dir, name))
 
     def close(self) -> None:
         for m in self.maps.values():

@@ -31,6 +31,9 @@ Copies
     compared with the manifest digests (shard and index), then renamed (index first, shard last,
     directory fsynced).  A mismatch means the original is corrupt: nothing is published,
     ``verify_failures`` is counted, readers (and the repair ladder) deal with the original.
+    An original that failed (mismatch or read error) is not copied again for another use while
+    the stager plans the same epoch and the file is unchanged (inode, size, mtime, ctime): each
+    attempt reads the whole shard (journal event ``known_bad``).
     ENOSPC/EDQUOT, or free space that would fall below ``reserve``, shrink the budget to what is in
     use, with one warning on the ``shardio.stage`` logger; readers read the rest directly.
 
@@ -71,6 +74,7 @@ from .nodecache import (
     _FULL,
     _OFF_GEN,
     _OFF_IDLE,
+    _OFF_LEFT,
     _OFF_PID,
     _OFF_STATE,
     _SLOT,
@@ -165,6 +169,9 @@ class _Runner:
         self._warned = False
         self._buf = bytearray(_BLOCK)
         self._counted: set[tuple[int, int]] = set()  # uses (shard, epoch) counted (_count_use)
+        # shard -> (planned epoch, its originals' identity) of a copy that failed verification
+        # or reading: not read again for another use while both are the same (_known_bad)
+        self._bad: dict[int, tuple[int | None, tuple[Any, ...]]] = {}
 
     # --- bookkeeping ---------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
@@ -211,8 +218,8 @@ class _Runner:
         if i not in self._index_sizes:
             try:
                 self._index_sizes[i] = os.stat(resolve_in(self.cache.root, entry.index)).st_size
-            except OSError:
-                self._index_sizes[i] = 0
+            except OSError:  # (not kept: a copy would compare the file, once back, with 0 bytes)
+                return entry.bytes
         return entry.bytes + self._index_sizes[i]
 
     def _schedule(self, e: int) -> Any:
@@ -262,6 +269,7 @@ class _Runner:
         free = self._free()
         p.budget = (max(0, p.used + free - int(self.opt.reserve))  # type: ignore[arg-type]
                     if self.opt.budget is None else int(self.opt.budget))
+        _store_u64(self.mm, _OFF_LEFT, 0)  # (a run before this stager's)
         _store_u64(self.mm, _OFF_PID, os.getpid())
         _fetch_add_u64(self.mm, _OFF_GEN, 1)
         self._gauges()
@@ -306,14 +314,20 @@ class _Runner:
             if act[0] in ("wait", "end"):
                 if not wait:
                     return
-                if (act[0] == "end" and span is None and reached_last
-                        and epochs.last in p.epochs):
+                if span is None and (self._left_after(epochs.last) or (
+                        act[0] == "end" and reached_last and epochs.last in p.epochs)):
                     return  # the readers have gone after the last epoch
                 self._set_idle(1 if lo is None else lo + 2)
                 time.sleep(self.opt.poll_interval)
                 continue
             self._set_idle(0)
             self._do(act, hi)
+
+    def _left_after(self, last: int | None) -> bool:
+        """A reader left (withdrew or closed) in or after epoch ``last``: the readers may have
+        read it between two looks of ours, never seen in it (see the node file's ``left``)."""
+        word = _load_u64(self.mm, _OFF_LEFT)
+        return last is not None and word != 0 and (word - 1) >> _POS_BITS >= last
 
     def _sync_discards(self, hi: int | None) -> None:
         """Copies a reader discarded (state REMOTE while we hold them)."""
@@ -379,6 +393,10 @@ class _Runner:
     def _stage(self, k: int, victims: list[int]) -> None:
         p = self.planner
         s, e = p.shard[k], p.ep[k]
+        if s in self._bad and self._known_bad(s):
+            self._event("known_bad", s, e)
+            p.advance(k)
+            return
         size = self._size_of(s)
         reserve = int(self.opt.reserve)  # type: ignore[arg-type]
         if reserve > 0:
@@ -420,8 +438,36 @@ class _Runner:
             self._shrink(p.used, "the cache filesystem is full (ENOSPC/EDQUOT)"
                          if result == "full" else "writing to the cache failed")
         elif result != "stopped":
+            if result in ("verify_failure", "read_error"):
+                self._bad[s] = (p.epoch, self._source_id(s))
             self._event(result, s, e)
             p.advance(k)
+
+    def _source_id(self, i: int) -> tuple[Any, ...]:
+        """The identity of shard ``i``'s originals (shard and index): device, inode, size,
+        mtime and ctime of each (``None``: cannot stat it); any write or replacement changes it."""
+        entry = self.cache.manifest.shards[i]
+        out: list[Any] = []
+        for rel in (entry.path, entry.index):
+            if rel is None:
+                continue
+            try:
+                st = os.stat(resolve_in(self.cache.root, rel))
+            except OSError:
+                out.append(None)
+                continue
+            out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return tuple(out)
+
+    def _known_bad(self, i: int) -> bool:
+        """Whether shard ``i``'s originals failed a copy in the epoch planned now and are
+        unchanged since: copying them again would read the whole shard to fail the same way.
+        (A repaired or replaced original, or the next epoch, is tried again.)"""
+        epoch, ident = self._bad[i]
+        if epoch == self.planner.epoch and ident == self._source_id(i):
+            return True
+        del self._bad[i]
+        return False
 
     def _shrink(self, new: int, why: str) -> None:
         p = self.planner
@@ -592,6 +638,7 @@ class Stager:
         self._owner = 0
         self._status: int | None = None
         self._forked = 0.0  # time.monotonic() of the last fork
+        self._first = 0  # the epoch the stager process this object started plans from at least
         self._verified: dict[int, int] = {}
 
     @property
@@ -629,13 +676,20 @@ class Stager:
         the epochs, and exits after ``last_epoch`` once the readers have passed it or gone
         (``None``: runs until :meth:`stop`, or until this process dies: ``PR_SET_PDEATHSIG``).
         Call it from a process that lives as long as the training, in its main thread.
+        An ``epoch`` before the one the running stager (started here) was given replaces it:
+        it never plans an epoch before its first (readers that went back, a rollback to an
+        earlier checkpoint, would be read directly while it stages epochs to come).
         """
         if self.pid is not None and self.join(0) is None:
-            if not self._stuck_in_fork():
+            if int(epoch) < self._first:
+                self.stop(timeout=2.0)
+            elif not self._stuck_in_fork():
                 return True
-            log.warning("stager process %d was still inside fork %g s after it (see "
-                        "shardio.config.START_TIMEOUT); replacing it", self.pid, START_TIMEOUT)
-            self.stop(timeout=0.0)
+            else:
+                log.warning("stager process %d was still inside fork %g s after it (see "
+                            "shardio.config.START_TIMEOUT); replacing it", self.pid,
+                            START_TIMEOUT)
+                self.stop(timeout=0.0)
         self._pid = None
         fd = self._try_lock()
         if fd is None:
@@ -650,14 +704,16 @@ class Stager:
             self._child(fd, parent, _Epochs(None, int(epoch), last_epoch))
         os.close(fd)  # the child's descriptor keeps the lock
         self._pid, self._owner, self._status = pid, parent, None
-        self._forked = time.monotonic()
+        self._forked, self._first = time.monotonic(), int(epoch)
         return True
 
     def _stuck_in_fork(self) -> bool:
         """The stager this object forked has not written its pid ``START_TIMEOUT`` after it: it
         is stuck inside fork ("Stuck start" in :mod:`shardio.pool`), holding the node's lock
-        while it stages nothing."""
+        while it stages nothing.  (Nor in the node file, where it stores it as it begins: a
+        cache filesystem too full for the lock file's few bytes refuses it there only.)"""
         return (self.holder() != self._pid
+                and _load_u64(self.cache._mm, _OFF_PID) != self._pid
                 and time.monotonic() - self._forked > START_TIMEOUT)
 
     def _child(self, fd: int, parent: int, epochs: _Epochs) -> None:  # pragma: no cover
