@@ -177,6 +177,9 @@ class CopyLadder:
         # The copies tried when the ladder last gave up on a shard (see give_up).
         self.gave_up: dict[int, list[tuple[str, str]]] = {}
         self._last: dict[int, BaseException] = {}
+        # Shards given up with every copy bad as a whole, under on_corrupt="skip": the attempts
+        # and the last error (see give_up).
+        self._lost: dict[int, tuple[list[tuple[str, str]], BaseException | None]] = {}
         self._rebuilt_dir: str | None = None
         # (path, inode, size, mtime) of rebuilt copies found good in this process.
         self._rebuilt_ok: set[tuple[str, int, int, int]] = set()
@@ -251,6 +254,16 @@ class CopyLadder:
             self._bad.get(i, set()).discard(original)
             self._bad_samples[i] = {b for b in self._bad_samples.get(i, ()) if b[0] != original}
 
+    def _all_bad(self, i: int) -> bool:
+        """Whether every copy of shard ``i`` past the node cache is bad as a whole (a cached
+        copy is staged from the original, so it cannot outlive it)."""
+        bad = self._bad.get(i, ())
+        rel = self.entry(i).path
+        paths = [self.original(i), *(resolve_in(r, rel) for r in self.replicas)]
+        if self.manifest.parity:
+            paths.append(self._rebuilt_path(i))
+        return all(p in bad for p in paths)
+
     def _is_bad(self, i: int, path: str) -> bool:
         """Whether ``path`` failed as shard ``i``'s copy, as a whole or for any sample."""
         return (path in self._bad.get(i, ())
@@ -260,12 +273,28 @@ class CopyLadder:
         """The error for shard ``i`` once no copy is left; resets the ladder so the next sample
         starts from the top again (a copy bad in one sample may be good in another).  With a
         single copy configured that copy's own typed error is returned (it names the fix);
-        otherwise :class:`UnrepairableError` listing every attempt, chained to the last."""
-        self.counters.add("unrepairable")
+        otherwise :class:`UnrepairableError` listing every attempt, chained to the last.
+
+        Under ``on_corrupt="skip"`` a copy bad as a whole (missing, truncated, a bad index)
+        stays bad, and a shard none of whose copies opens stays lost: its other samples are
+        given up without trying those copies again, so each fault and the shard's
+        ``unrepairable`` are counted (and logged) once, not once per sample."""
         attempts = self._attempts.pop(i, [])
         last = self._last.pop(i, None)
-        self._bad.pop(i, None)
+        lost = self._lost.get(i)
+        if lost is not None and not attempts:
+            attempts, last = lost  # known lost: no copy was tried again, no new event
+        else:
+            self.counters.add("unrepairable")
         self._bad_samples.pop(i, None)
+        if self.on_corrupt == "skip":
+            # (the reading goes on: a copy bad as a whole stays bad, as it does while a later
+            # copy serves the shard)
+            if self._all_bad(i):
+                self._lost[i] = (attempts, last)
+        else:  # (the error ends the reading: a new one, after a repair, starts from the top)
+            self._bad.pop(i, None)
+            self._lost.pop(i, None)
         self.gave_up[i] = attempts  # (random access under on_corrupt="skip" reports them)
         if len(attempts) == 1 and isinstance(last, Exception):
             return last

@@ -1,0 +1,76 @@
+"""Adversarial checks of self-repair and the HDF5 format: each test pins a bug found and fixed."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import shardio
+from shardio import Manifest, PackOptions, pack
+from shardio.errors import UnrepairableError
+from shardio.reader import DatasetReader
+from tools.faults import corrupt_dataset, flip_bits
+
+
+@pytest.fixture
+def data(image_tree: Path, tmp_path: Path) -> tuple[Path, Path, list[tuple[str, bytes]]]:
+    """A packed dataset (7 tar shards), a byte-identical replica, and its clean sample list."""
+    root = tmp_path / "ds"
+    pack(image_tree, root, PackOptions(samples_per_shard=9, label_from_dir=True, fsync=False))
+    replica = tmp_path / "replica"
+    shutil.copytree(root, replica)
+    with DatasetReader(root) as r:
+        clean = [(s["__key__"], s["jpg"]) for s in r]
+    return root, replica, clean
+
+
+def flip_sample(root: Path, shard: int, sample: int) -> None:
+    """Flip one bit in the middle of the ``jpg`` field of ``sample`` of ``shard``."""
+    with DatasetReader(root) as r:
+        index = r.shard_index(shard)
+    row = next(j for j in index.rows(sample) if index.field_names[int(index.f_name[j])] == "jpg")
+    offset = int(index.f_offset[row]) + int(index.f_length[row]) // 2
+    flip_bits(root / Manifest.load(root).shards[shard].path, offset)
+
+
+def repair_counts(ds: shardio.ShardDataset) -> dict[str, int]:
+    return {k: v for k, v in ds.reader.counters.snapshot().items()
+            if v and not k.startswith("bytes") and k not in ("opens", "stats")}
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_skip_counts_a_lost_shard_once_not_per_sample(data, shuffle: bool) -> None:
+    """A shard missing from every copy under on_corrupt="skip" is one event per copy and one
+    give-up; each of its samples is one skip.  (Each sample tried every copy again: 2 faults,
+    a failover and an `unrepairable` per sample, and two warnings logged per sample.)"""
+    root, replica, clean = data
+    corrupt_dataset(str(root), [4], "truncate", seed=1)
+    corrupt_dataset(str(replica), [4], "delete")
+    lost = Manifest.load(root).shards[4].samples
+    ds = shardio.ShardDataset(root, shuffle=shuffle, seed=2, replicas=[str(replica)],
+                              on_corrupt="skip")
+    got = [s["__key__"] for s in ds]
+    assert len(got) == len(clean) and len(set(got)) == len(clean) - lost
+    assert repair_counts(ds) == {"truncated": 1, "missing": 1, "failovers": 1,
+                                 "unrepairable": 1, "skipped_samples": lost}
+    # Random access to a sample of the lost shard still names the copies tried.
+    with pytest.raises(UnrepairableError, match="truncated.*missing"):
+        ds.reader[int(ds.reader.offsets[4]) + 2]
+
+
+def test_skip_does_not_count_a_missing_original_again_per_skipped_sample(data) -> None:
+    """The original missing, the replica bad at two samples: each bad sample is skipped, and
+    the missing original is one fault (it was tried again after each give-up and counted
+    again)."""
+    root, replica, clean = data
+    corrupt_dataset(str(root), [3], "delete")
+    flip_sample(replica, 3, 2)
+    flip_sample(replica, 3, 6)
+    ds = shardio.ShardDataset(root, shuffle=False, replicas=[str(replica)], on_corrupt="skip")
+    got = [(s["__key__"], s["jpg"]) for s in ds]
+    assert set(got) <= set(clean) and len(set(got)) == len(clean) - 2
+    c = repair_counts(ds)
+    assert (c["missing"], c["checksum_mismatch"], c["unrepairable"], c["skipped_samples"]) \
+        == (1, 2, 2, 2)
