@@ -74,3 +74,33 @@ def test_skip_does_not_count_a_missing_original_again_per_skipped_sample(data) -
     c = repair_counts(ds)
     assert (c["missing"], c["checksum_mismatch"], c["unrepairable"], c["skipped_samples"]) \
         == (1, 2, 2, 2)
+
+
+@pytest.fixture
+def h5data(mixed_tree: Path, tmp_path: Path) -> tuple[Path, Path, list[dict]]:
+    """An HDF5 dataset (zstd with a dictionary, a 0-byte field), a replica, its clean samples."""
+    root = tmp_path / "h5"
+    pack(mixed_tree, root, PackOptions(format="hdf5", samples_per_shard=10, compress="zstd",
+                                       zstd_dict=True, fsync=False))
+    replica = tmp_path / "h5replica"
+    shutil.copytree(root, replica)
+    with DatasetReader(root) as r:
+        clean = list(r)
+    return root, replica, clean
+
+
+def test_hdf5_attribute_not_utf8_fails_over_to_the_replica(h5data) -> None:
+    """A bit flipped in the text of an HDF5 shard's ``shardio_meta`` attribute makes it invalid
+    UTF-8, which h5py hands out with surrogate escapes: hashing it for ``index_digest`` raised a
+    bare UnicodeEncodeError out of the read (no failover, not a shardio error)."""
+    root, replica, clean = h5data
+    path = root / Manifest.load(root).shards[1].path
+    data = bytearray(path.read_bytes())
+    at = data.find(b'{"job_shard"')
+    assert at > 0
+    data[at + 3] ^= 0x80
+    path.write_bytes(bytes(data))
+    with DatasetReader(root, replicas=[str(replica)]) as r:
+        assert list(r) == clean
+        c = r.counters.snapshot()
+    assert (c["index_corrupt"], c["failovers"], c["unrepairable"]) == (1, 1, 0)

@@ -329,6 +329,9 @@ def load_hdf5_index(path: str) -> ShardIndex:
                 raise TypeError("shardio_meta is not a JSON object")
             checksum = _text(f.attrs["checksum"])
             stored_digest = f.attrs.get("index_digest")
+            # (h5py hands out text that is not UTF-8 with surrogate escapes, which encoding it
+            # for the digest refuses: damaged metadata too, not a UnicodeEncodeError to raise)
+            found = _index_digest(checksum, names, meta_text, key_blob, arrays)
     except ShardioError:
         raise
     except Exception as exc:  # h5py raises anything on damaged metadata (AttributeError, ...)
@@ -338,7 +341,6 @@ def load_hdf5_index(path: str) -> ShardIndex:
         ) from exc
     problem = None
     if stored_digest is not None:  # absent in shards written before it existed
-        found = _index_digest(checksum, names, meta_text, key_blob, arrays)
         if _text(stored_digest) != found:
             problem = f"index_digest mismatch: expected {_text(stored_digest)}, found {found}"
     problem = problem or structure_problem(names, payload_len, key_blob, arrays)
