@@ -14,7 +14,7 @@ same samples in the same order.  A fault is a checksum mismatch, a short read (t
 missing file, an unreadable index or an I/O error (EIO).  What happens to the bad copy:
 
 * ``cache``: discarded (the stager copies it again);
-* ``original``: left alone unless ``quarantine=True``, then moved to ``<dataset>/.quarantine/``
+* ``original``: left alone unless ``quarantine=True``, then kept in ``<dataset>/.quarantine/``
   and replaced (verified copy, atomic rename) by the first good copy;
 * ``replica``: left alone (it is not ours to change).
 
@@ -32,6 +32,7 @@ spawned or forkserver), logged on the ``shardio.repair`` logger, and reported by
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import functools
 import hashlib
@@ -579,10 +580,7 @@ def restore_original(root: str, entry: ShardEntry, good: str,
             return False
         layout = _layout_to_keep(root, entry, manifest)  # (before the original moves away)
         if os.path.exists(original):
-            qdir = os.path.join(root, QUARANTINE_DIR, os.path.dirname(entry.path))
-            os.makedirs(qdir, exist_ok=True)
-            stamp = time.strftime("%Y%m%dT%H%M%S")
-            os.replace(original, os.path.join(qdir, f"{os.path.basename(entry.path)}.{stamp}"))
+            _quarantine(root, entry, original)
             if counters is not None:
                 counters.add("quarantined")
         _copy_verified(good, original, entry.digest, layout)
@@ -600,6 +598,31 @@ def restore_original(root: str, entry: ShardEntry, good: str,
         return False
     finally:
         os.close(lock)
+
+
+def _quarantine(root: str, entry: ShardEntry, original: str) -> None:
+    """Keep the bad ``original`` of ``entry`` under ``<root>/.quarantine/``, named with the time
+    (and a number, when that name is taken: an earlier bad copy is never overwritten).
+
+    A hard link, where the filesystem has them: the original stays at its path until the good
+    copy replaces it (atomically), so a reader of the dataset (another job's, with no other
+    copy) never finds the shard missing while it is restored.  Elsewhere it is moved."""
+    qdir = os.path.join(root, QUARANTINE_DIR, os.path.dirname(entry.path))
+    os.makedirs(qdir, exist_ok=True)
+    base = os.path.join(qdir, f"{os.path.basename(entry.path)}.{time.strftime('%Y%m%dT%H%M%S')}")
+    for n in range(1000):
+        dest = base if n == 0 else f"{base}-{n}"
+        try:
+            os.link(original, dest)
+            return
+        except FileExistsError:
+            continue
+        except OSError:  # (no hard links on this filesystem)
+            if os.path.lexists(dest):
+                continue
+            os.replace(original, dest)
+            return
+    raise FileExistsError(errno.EEXIST, "no free quarantine name", base)
 
 
 def _matches(path: str, digest: str | None, size: int | None) -> bool:

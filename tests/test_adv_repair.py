@@ -104,3 +104,60 @@ def test_hdf5_attribute_not_utf8_fails_over_to_the_replica(h5data) -> None:
         assert list(r) == clean
         c = r.counters.snapshot()
     assert (c["index_corrupt"], c["failovers"], c["unrepairable"]) == (1, 1, 0)
+
+
+_POLLER = """
+import os, sys, time
+path, stop, ready = sys.argv[1:4]
+open(ready, "w").close()
+gone = looks = 0
+while not os.path.exists(stop):
+    looks += 1
+    if not os.path.exists(path):
+        gone += 1
+print(looks, gone)
+"""
+
+
+def test_quarantine_never_leaves_the_shard_missing(tmp_path: Path) -> None:
+    """While a bad original is quarantined and restored from a good copy, the shard is at its
+    path all along: another reader of the dataset (another job's, with no replica) must never
+    find it missing.  (It was moved into .quarantine first and copied back only afterwards: a
+    reader in between failed with ShardNotFoundError.)  Two quarantines within one second keep
+    both bad copies (the second overwrote the first)."""
+    import subprocess
+    import sys
+    import time
+
+    from shardio.repair import RepairCounters, restore_original
+    from tests.conftest import pack_bin_dataset
+
+    root = pack_bin_dataset(tmp_path, 24, lambda i: bytes([i]) * (1 << 20), 1, 24, lambda i: False)
+    replica = tmp_path / "replica"
+    shutil.copytree(root, replica)
+    m = Manifest.load(root)
+    entry = m.shards[0]
+    original = root / entry.path
+    stop, ready = tmp_path / "stop", tmp_path / "ready"
+    counters = RepairCounters()
+    for round_ in range(2):
+        flip_bits(original, 1000 + round_)
+        stop.unlink(missing_ok=True)
+        ready.unlink(missing_ok=True)
+        poller = subprocess.Popen([sys.executable, "-c", _POLLER, str(original), str(stop),
+                                   str(ready)], stdout=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 20
+            while not ready.exists():
+                assert time.monotonic() < deadline, "the poller did not start"
+                time.sleep(0.01)
+            assert restore_original(str(root), entry, str(replica / entry.path), counters, m)
+        finally:
+            stop.touch()
+            out, _ = poller.communicate(timeout=20)
+        looks, gone = map(int, out.split())
+        assert looks > 0 and gone == 0
+    assert (counters.get("quarantined"), counters.get("originals_restored")) == (2, 2)
+    assert len(list((root / ".quarantine").iterdir())) == 2
+    with DatasetReader(root) as r:
+        assert len(list(r)) == 24
