@@ -161,3 +161,31 @@ def test_quarantine_never_leaves_the_shard_missing(tmp_path: Path) -> None:
     assert len(list((root / ".quarantine").iterdir())) == 2
     with DatasetReader(root) as r:
         assert len(list(r)) == 24
+
+
+@pytest.mark.parametrize("replica_too", [False, True])
+def test_zero_copy_loader_counts_a_fault_once(data, replica_too: bool) -> None:
+    """ShardLoader(zero_copy=True) sizes each batch's ring claim (DatasetReader.read_bytes)
+    before reading it; sizing opened the shards down the repair ladder, so a shard with no good
+    copy had its faults and its give-up counted (and logged) twice, once by the sizing and once
+    by the read."""
+    from shardio.errors import WorkerError
+
+    root, replica, clean = data
+    corrupt_dataset(str(root), [2], "delete")
+    if replica_too:
+        corrupt_dataset(str(replica), [2], "delete")
+    ds = shardio.ShardDataset(root, shuffle=False, batch_size=4, replicas=[str(replica)],
+                              zero_copy=True)
+    with shardio.ShardLoader(ds, batch_size=4, num_workers=1) as ld:
+        if replica_too:
+            with pytest.raises(WorkerError, match="UnrepairableError"):
+                for _ in ld:
+                    pass
+        else:
+            got = [(k, bytes(j)) for b in ld for k, j in zip(b["__key__"], b["jpg"])]
+            assert got == clean
+        c = {k: v for k, v in ld.stats()["repair"].items() if v and k in (
+            "missing", "failovers", "unrepairable")}
+    assert c == ({"missing": 2, "failovers": 1, "unrepairable": 1} if replica_too
+                 else {"missing": 1, "failovers": 1})
