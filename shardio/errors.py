@@ -211,6 +211,16 @@ class IndexCorruptError(ShardCorruptError):
     """A shard's index is unreadable or fails its checksum."""
 
 
+def _restore(cls: type[BaseException], args: tuple[object, ...],
+             state: dict[str, object]) -> BaseException:
+    """Unpickle an error whose ``__init__`` takes other arguments than its message (pickle
+    calls ``cls(*args)``, which such an ``__init__`` refuses: a worker's error then reached the
+    main process as a RuntimeError, not as itself)."""
+    exc = cls.__new__(cls, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
 class ChecksumMismatchError(ShardCorruptError):
     """A sample field failed its checksum.
 
@@ -233,6 +243,9 @@ class ChecksumMismatchError(ShardCorruptError):
             f"{expected}, found {found}; the shard is corrupt: run `shardio verify` and restore "
             "the shard from a good copy (or repack)"
         )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _restore, (type(self), self.args, self.__dict__)
 
 
 class DecodeError(ShardioError, ValueError):
@@ -264,6 +277,9 @@ class UnrepairableError(ShardCorruptError):
                 "add a replica (replicas=[...] or `shardio repair --replica DIR`), pack with "
                 "--parity, or set on_corrupt='skip'"))
         )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _restore, (type(self), self.args, self.__dict__)
 
 
 class LayoutError(ShardioError):

@@ -189,3 +189,36 @@ def test_zero_copy_loader_counts_a_fault_once(data, replica_too: bool) -> None:
             "missing", "failovers", "unrepairable")}
     assert c == ({"missing": 2, "failovers": 1, "unrepairable": 1} if replica_too
                  else {"missing": 1, "failovers": 1})
+
+
+@pytest.mark.parametrize("replica_too", [False, True])
+def test_a_worker_corrupt_error_reaches_main_as_itself(data, replica_too: bool) -> None:
+    """Under on_corrupt="raise" a ShardLoader worker's ChecksumMismatchError (one copy) or
+    UnrepairableError (every copy bad) is the WorkerError's ``__cause__``, with its attributes,
+    as documented.  (Neither unpickled: their __init__ takes the shard, key, ... rather than
+    the message, so the cause arrived as a RuntimeError and ``except ShardCorruptError`` on
+    it missed.)"""
+    import pickle
+
+    from shardio.errors import ChecksumMismatchError, ShardCorruptError, WorkerError
+
+    root, replica, _clean = data
+    flip_sample(root, 1, 4)
+    if replica_too:
+        flip_sample(replica, 1, 4)
+    ds = shardio.ShardDataset(root, shuffle=False, batch_size=4,
+                              replicas=[str(replica)] if replica_too else [])
+    with shardio.ShardLoader(ds, batch_size=4, num_workers=1) as ld:
+        with pytest.raises(WorkerError) as err:
+            for _ in ld:
+                pass
+    cause = err.value.__cause__
+    assert isinstance(cause, ShardCorruptError)
+    if replica_too:
+        assert isinstance(cause, UnrepairableError) and len(cause.attempts) == 2
+    else:
+        assert isinstance(cause, ChecksumMismatchError)
+        assert cause.field == "jpg" and cause.key and cause.shard.endswith(".tar")
+    again = pickle.loads(pickle.dumps(cause))
+    assert type(again) is type(cause) and str(again) == str(cause)
+    assert again.__dict__ == cause.__dict__
