@@ -178,7 +178,7 @@ class DatasetReader:
                 path = self.ladder.rebuild(i) if copy.kind == "parity" else copy.path
                 reader = self._open_copy(i, copy.kind, path)
             except (*FAULTS, ParityError, MissingDependencyError) as exc:
-                self.ladder.failed(i, copy, exc)
+                self.ladder.failed(i, copy, exc, reading=sample)
                 continue
             if copy.kind != "original":
                 self.ladder.recovered(i, copy)  # restores a bad original when allowed

@@ -214,9 +214,12 @@ class CopyLadder:
             out.append(Copy("parity", self._rebuilt_path(i)))
         return [c for c in out if c.path not in bad]
 
-    def failed(self, i: int, copy: Copy, exc: BaseException, sample: int | None = None) -> None:
+    def failed(self, i: int, copy: Copy, exc: BaseException, sample: int | None = None, *,
+               reading: int | None = None) -> None:
         """Record that ``copy`` of shard ``i`` is bad (for ``sample`` only, when the fault came
-        from reading that sample); deal with it as the module docstring says.
+        from reading that sample); deal with it as the module docstring says.  ``reading``: the
+        sample the copy was opened for (a fault of the whole copy), whose next copy is the
+        failover (none when every other copy failed that sample).
 
         A staged copy that the stager no longer publishes (it evicted it, or another reader
         found it bad and discarded it, after :meth:`copies` named it here) is not counted
@@ -237,7 +240,7 @@ class CopyLadder:
         if copy.kind == "cache" and self.cache is not None:
             self.cache.discard(i, kind)
             self.counters.add("cache_discarded")
-        left = self.copies(i, sample)
+        left = self.copies(i, sample if sample is not None else reading)
         if left:  # (a failover is a move to another copy: none when none is left)
             self.counters.add("failovers")
         log.warning("shard %s: %s copy failed (%s: %s); %s", self.entry(i).path, copy.kind,

@@ -222,3 +222,38 @@ def test_a_worker_corrupt_error_reaches_main_as_itself(data, replica_too: bool) 
     again = pickle.loads(pickle.dumps(cause))
     assert type(again) is type(cause) and str(again) == str(cause)
     assert again.__dict__ == cause.__dict__
+
+
+def test_no_failover_is_counted_when_no_copy_is_left_for_the_sample(data) -> None:
+    """Sample 2 of shard 3 bad in the original, the replica's shard missing: one failover
+    (original -> replica), not two.  (A copy that failed to open was checked for copies left
+    for the whole shard, not for the sample being read: the original, bad for that sample,
+    counted as a copy to fail over to, and the log said "trying the next copy" before the
+    give-up.)"""
+    root, replica, clean = data
+    flip_sample(root, 3, 2)
+    corrupt_dataset(str(replica), [3], "delete")
+    ds = shardio.ShardDataset(root, shuffle=False, replicas=[str(replica)], on_corrupt="skip")
+    got = [(s["__key__"], s["jpg"]) for s in ds]
+    assert set(got) <= set(clean) and len(set(got)) == len(clean) - 1
+    assert repair_counts(ds) == {"checksum_mismatch": 1, "missing": 1, "failovers": 1,
+                                 "unrepairable": 1, "skipped_samples": 1}
+
+
+def test_two_damaged_shards_of_one_parity_group(image_tree: Path, tmp_path: Path) -> None:
+    """Parity 3+1 with two shards of one group damaged (one bad sample each): parity cannot
+    rebuild either, so each bad sample is skipped, every other sample delivered, and each
+    damaged shard counts one fault, one failover (to parity) and one parity failure."""
+    pytest.importorskip("zfec")
+    root = tmp_path / "ds"
+    pack(image_tree, root, PackOptions(samples_per_shard=9, label_from_dir=True, fsync=False,
+                                       parity="3+1"))
+    with DatasetReader(root) as r:
+        clean = [(s["__key__"], s["jpg"]) for s in r]
+    flip_sample(root, 0, 3)
+    flip_sample(root, 1, 5)
+    ds = shardio.ShardDataset(root, shuffle=False, on_corrupt="skip")
+    got = [(s["__key__"], s["jpg"]) for s in ds]
+    assert set(got) <= set(clean) and len(set(got)) == len(clean) - 2
+    assert repair_counts(ds) == {"checksum_mismatch": 2, "failovers": 2, "parity_failed": 2,
+                                 "unrepairable": 2, "skipped_samples": 2}
