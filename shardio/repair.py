@@ -667,6 +667,7 @@ def repair_dataset(root: str, *, replicas: Iterable[str] = (), use_parity: bool 
     report = RepairReport(damaged=[], repaired=[], unrepaired=[])
     _repair_dictionary(root, manifest, tuple(replicas), report)
     todo = range(len(manifest.shards)) if damaged is None else sorted(set(damaged))
+    left = []
     for i in todo:
         entry = manifest.shards[i]
         report.checked += 1
@@ -674,7 +675,16 @@ def repair_dataset(root: str, *, replicas: Iterable[str] = (), use_parity: bool 
         if _matches(ladder.original(i), entry.digest, entry.bytes) and idx_ok:
             continue
         report.damaged.append(entry.path)
-        source = _repair_one(ladder, i, replicas, use_parity)
+        source = _repair_one(ladder, i, replicas, False)
+        if source is None:
+            left.append(i)
+        else:
+            report.repaired.append((entry.path, source))
+    # Parity last: a group with more damaged shards than its parity covers rebuilds the rest
+    # once replicas restored enough of them, whatever their order in the manifest.
+    for i in left:
+        entry = manifest.shards[i]
+        source = _repair_one(ladder, i, (), True) if use_parity else None
         if source is None:
             report.unrepaired.append(entry.path)
         else:
@@ -721,6 +731,7 @@ def _repair_one(ladder: CopyLadder, i: int, replicas: Sequence[str], use_parity:
         cand = resolve_in(r, entry.path)
         if _matches(cand, entry.digest, entry.bytes) and restore_original(
                 ladder.root, entry, cand, ladder.counters, ladder.manifest):
+            ladder._bad[i].discard(original)  # (good now: a source for its group's parity)
             return f"replica {r}"
     if use_parity and ladder.manifest.parity:
         try:
@@ -730,6 +741,7 @@ def _repair_one(ladder: CopyLadder, i: int, replicas: Sequence[str], use_parity:
             return None
         try:
             if restore_original(ladder.root, entry, rebuilt, ladder.counters, ladder.manifest):
+                ladder._bad[i].discard(original)
                 return "parity"
         finally:
             for p in (rebuilt, rebuilt + ".idx"):

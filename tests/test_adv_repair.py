@@ -257,3 +257,25 @@ def test_two_damaged_shards_of_one_parity_group(image_tree: Path, tmp_path: Path
     assert set(got) <= set(clean) and len(set(got)) == len(clean) - 2
     assert repair_counts(ds) == {"checksum_mismatch": 2, "failovers": 2, "parity_failed": 2,
                                  "unrepairable": 2, "skipped_samples": 2}
+
+
+def test_offline_repair_uses_parity_after_the_replicas(image_tree: Path, tmp_path: Path) -> None:
+    """Shards 0 and 1 of a 3+1 parity group lost; the replica has shard 1 only.  Restoring
+    shard 1 from the replica leaves one loss in the group, which parity rebuilds: both are
+    repaired.  (Shards were repaired in manifest order, each trying parity right away: shard 0
+    found two losses in its group and stayed unrepaired.)"""
+    pytest.importorskip("zfec")
+    from shardio.repair import repair_dataset
+    from shardio.verify import verify_dataset
+
+    root, replica = tmp_path / "ds", tmp_path / "replica"
+    pack(image_tree, root, PackOptions(samples_per_shard=9, label_from_dir=True, fsync=False,
+                                       parity="3+1"))
+    shutil.copytree(root, replica)
+    corrupt_dataset(str(root), [0, 1], "delete")
+    corrupt_dataset(str(replica), [0], "delete")
+    report = repair_dataset(str(root), replicas=[str(replica)])
+    assert report.ok and report.unrepaired == []
+    assert sorted(report.repaired) == [("shard-000000.tar", "parity"),
+                                       ("shard-000001.tar", f"replica {replica}")]
+    assert verify_dataset(str(root)) == []
