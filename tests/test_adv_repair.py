@@ -279,3 +279,27 @@ def test_offline_repair_uses_parity_after_the_replicas(image_tree: Path, tmp_pat
     assert sorted(report.repaired) == [("shard-000000.tar", "parity"),
                                        ("shard-000001.tar", f"replica {replica}")]
     assert verify_dataset(str(root)) == []
+
+
+def test_eio_reading_an_hdf5_index_is_an_io_error(h5data, tmp_path: Path) -> None:
+    """A real EIO (strace fails the first ``pread64`` of the shard, h5py reading its
+    superblock) is counted as ``io_error`` and the replica serves the shard.  (Every h5py
+    OSError was taken for damaged metadata: counted as ``index_corrupt``.)"""
+    import textwrap
+
+    from tests.conftest import run_with_eio
+
+    root, replica, clean = h5data
+    script = tmp_path / "read.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        from shardio.reader import DatasetReader
+        r = DatasetReader({str(root)!r}, replicas=[{str(replica)!r}])
+        keys = [s["__key__"] for s in r]
+        print(json.dumps({{"n": len(keys), "counters": r.counters.snapshot()}}))
+    """))
+    out = run_with_eio(script, root / Manifest.load(root).shards[2].path, "pread64", when=1)
+    assert out["n"] == len(clean)
+    c = out["counters"]
+    assert (c["io_error"], c["index_corrupt"], c["failovers"]) == (1, 0, 1)
