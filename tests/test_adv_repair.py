@@ -303,3 +303,22 @@ def test_eio_reading_an_hdf5_index_is_an_io_error(h5data, tmp_path: Path) -> Non
     assert out["n"] == len(clean)
     c = out["counters"]
     assert (c["io_error"], c["index_corrupt"], c["failovers"]) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("replica_too", [False, True])
+def test_dataloader_worker_corrupt_error_is_a_shard_corrupt_error(data, replica_too: bool) -> None:
+    """torch's DataLoader re-raises a worker's exception as ``type(exc)(message)``; neither
+    ChecksumMismatchError nor UnrepairableError took a message alone, so torch raised a plain
+    RuntimeError and the documented ``except ShardCorruptError`` missed it."""
+    from torch.utils.data import DataLoader
+
+    from shardio.errors import ChecksumMismatchError, ShardCorruptError
+
+    root, replica, _clean = data
+    flip_sample(root, 1, 4)
+    if replica_too:
+        corrupt_dataset(str(replica), [1], "delete")
+    ds = shardio.ShardDataset(root, shuffle=False, replicas=[str(replica)] if replica_too else [])
+    with pytest.raises(ShardCorruptError, match="Caught .*Error in DataLoader worker") as err:
+        list(DataLoader(ds, batch_size=None, num_workers=1, timeout=60))
+    assert type(err.value) is (UnrepairableError if replica_too else ChecksumMismatchError)
