@@ -211,6 +211,25 @@ class IndexCorruptError(ShardCorruptError):
     """A shard's index is unreadable or fails its checksum."""
 
 
+def _restore(cls: type[BaseException], args: tuple[object, ...],
+             state: dict[str, object]) -> BaseException:
+    """Unpickle an error whose ``__init__`` takes other arguments than its message (pickle
+    calls ``cls(*args)``, which such an ``__init__`` refuses: a worker's error then reached the
+    main process as a RuntimeError, not as itself)."""
+    exc = cls.__new__(cls, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
+def _message_only(exc: Exception, message: str, names: tuple[str, ...]) -> None:
+    """Make ``exc`` (an error whose ``__init__`` takes its parts) from a finished message, its
+    attributes None: torch's DataLoader re-raises a worker's error in the main process as
+    ``type(exc)(text)``, and one that refuses that arrives as a plain RuntimeError, which
+    ``except ShardCorruptError`` misses."""
+    exc.__dict__.update(dict.fromkeys(names))
+    Exception.__init__(exc, message)
+
+
 class ChecksumMismatchError(ShardCorruptError):
     """A sample field failed its checksum.
 
@@ -221,11 +240,18 @@ class ChecksumMismatchError(ShardCorruptError):
         offset: byte offset of the field's stored bytes in the shard.
         expected: checksum recorded in the index (hex).
         found: checksum of the bytes read (hex).
+
+    Made from a message alone (torch's DataLoader re-raising a worker's error), its
+    attributes are None.
     """
 
     def __init__(
-        self, shard: str, key: str, field: str, offset: int, expected: str, found: str
+        self, shard: str, key: str | None = None, field: str | None = None,
+        offset: int | None = None, expected: str | None = None, found: str | None = None
     ) -> None:
+        if key is None:  # (the message alone: see _message_only)
+            _message_only(self, shard, ("shard", "key", "field", "offset", "expected", "found"))
+            return
         self.shard, self.key, self.field, self.offset = shard, key, field, offset
         self.expected, self.found = expected, found
         super().__init__(
@@ -233,6 +259,9 @@ class ChecksumMismatchError(ShardCorruptError):
             f"{expected}, found {found}; the shard is corrupt: run `shardio verify` and restore "
             "the shard from a good copy (or repack)"
         )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _restore, (type(self), self.args, self.__dict__)
 
 
 class DecodeError(ShardioError, ValueError):
@@ -253,10 +282,17 @@ class UnrepairableError(ShardCorruptError):
     Attributes:
         shard: the shard's manifest path.
         attempts: ``(source, reason)`` for each copy tried, in order.
+
+    Made from a message alone (torch's DataLoader re-raising a worker's error), ``shard`` is
+    None and ``attempts`` empty.
     """
 
-    def __init__(self, shard: str, attempts: list[tuple[str, str]], *,
+    def __init__(self, shard: str, attempts: list[tuple[str, str]] | None = None, *,
                  hint: str | None = None) -> None:
+        if attempts is None:  # (the message alone: see _message_only)
+            _message_only(self, shard, ("shard",))
+            self.attempts = []
+            return
         self.shard, self.attempts = shard, list(attempts)
         tried = "; ".join(f"{src}: {why}" for src, why in self.attempts) or "no copy configured"
         super().__init__(
@@ -264,6 +300,9 @@ class UnrepairableError(ShardCorruptError):
                 "add a replica (replicas=[...] or `shardio repair --replica DIR`), pack with "
                 "--parity, or set on_corrupt='skip'"))
         )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _restore, (type(self), self.args, self.__dict__)
 
 
 class LayoutError(ShardioError):

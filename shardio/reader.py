@@ -178,7 +178,7 @@ class DatasetReader:
                 path = self.ladder.rebuild(i) if copy.kind == "parity" else copy.path
                 reader = self._open_copy(i, copy.kind, path)
             except (*FAULTS, ParityError, MissingDependencyError) as exc:
-                self.ladder.failed(i, copy, exc)
+                self.ladder.failed(i, copy, exc, reading=sample)
                 continue
             if copy.kind != "original":
                 self.ladder.recovered(i, copy)  # restores a bad original when allowed
@@ -452,7 +452,9 @@ class DatasetReader:
         """Arena bytes that :meth:`read_ids` takes for ``ids`` when it meets no fault: each run
         of consecutive ids in one shard is read whole (the tar headers between its samples
         included), in blocks of at most ``read_block``, each 64-byte aligned.  None when a shard
-        it needs cannot be opened now (the read itself will meet the fault and deal with it)."""
+        it needs cannot be opened now (the read itself will meet the fault and deal with it:
+        opened with :meth:`_probe`, which leaves the ladder and its counters alone, so a fault
+        is counted once, by the read)."""
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) == 0:
             return 0
@@ -464,9 +466,12 @@ class DatasetReader:
         for group in np.split(order, bounds):
             s = int(shards[group[0]])
             try:
-                a, b = self.shard(s).index.spans()
+                reader = self._probe(s)
             except (*FAULTS, UnrepairableError, OSError):
                 return None
+            if reader is None:
+                return None
+            a, b = reader.index.spans()
             lo[group] = a[local[group]]
             hi[group] = b[local[group]]
         ends = np.flatnonzero(cut)

@@ -14,7 +14,7 @@ same samples in the same order.  A fault is a checksum mismatch, a short read (t
 missing file, an unreadable index or an I/O error (EIO).  What happens to the bad copy:
 
 * ``cache``: discarded (the stager copies it again);
-* ``original``: left alone unless ``quarantine=True``, then moved to ``<dataset>/.quarantine/``
+* ``original``: left alone unless ``quarantine=True``, then kept in ``<dataset>/.quarantine/``
   and replaced (verified copy, atomic rename) by the first good copy;
 * ``replica``: left alone (it is not ours to change).
 
@@ -32,6 +32,7 @@ spawned or forkserver), logged on the ``shardio.repair`` logger, and reported by
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import functools
 import hashlib
@@ -177,6 +178,9 @@ class CopyLadder:
         # The copies tried when the ladder last gave up on a shard (see give_up).
         self.gave_up: dict[int, list[tuple[str, str]]] = {}
         self._last: dict[int, BaseException] = {}
+        # Shards given up with every copy bad as a whole, under on_corrupt="skip": the attempts
+        # and the last error (see give_up).
+        self._lost: dict[int, tuple[list[tuple[str, str]], BaseException | None]] = {}
         self._rebuilt_dir: str | None = None
         # (path, inode, size, mtime) of rebuilt copies found good in this process.
         self._rebuilt_ok: set[tuple[str, int, int, int]] = set()
@@ -210,9 +214,12 @@ class CopyLadder:
             out.append(Copy("parity", self._rebuilt_path(i)))
         return [c for c in out if c.path not in bad]
 
-    def failed(self, i: int, copy: Copy, exc: BaseException, sample: int | None = None) -> None:
+    def failed(self, i: int, copy: Copy, exc: BaseException, sample: int | None = None, *,
+               reading: int | None = None) -> None:
         """Record that ``copy`` of shard ``i`` is bad (for ``sample`` only, when the fault came
-        from reading that sample); deal with it as the module docstring says.
+        from reading that sample); deal with it as the module docstring says.  ``reading``: the
+        sample the copy was opened for (a fault of the whole copy), whose next copy is the
+        failover (none when every other copy failed that sample).
 
         A staged copy that the stager no longer publishes (it evicted it, or another reader
         found it bad and discarded it, after :meth:`copies` named it here) is not counted
@@ -233,7 +240,7 @@ class CopyLadder:
         if copy.kind == "cache" and self.cache is not None:
             self.cache.discard(i, kind)
             self.counters.add("cache_discarded")
-        left = self.copies(i, sample)
+        left = self.copies(i, sample if sample is not None else reading)
         if left:  # (a failover is a move to another copy: none when none is left)
             self.counters.add("failovers")
         log.warning("shard %s: %s copy failed (%s: %s); %s", self.entry(i).path, copy.kind,
@@ -251,6 +258,16 @@ class CopyLadder:
             self._bad.get(i, set()).discard(original)
             self._bad_samples[i] = {b for b in self._bad_samples.get(i, ()) if b[0] != original}
 
+    def _all_bad(self, i: int) -> bool:
+        """Whether every copy of shard ``i`` past the node cache is bad as a whole (a cached
+        copy is staged from the original, so it cannot outlive it)."""
+        bad = self._bad.get(i, ())
+        rel = self.entry(i).path
+        paths = [self.original(i), *(resolve_in(r, rel) for r in self.replicas)]
+        if self.manifest.parity:
+            paths.append(self._rebuilt_path(i))
+        return all(p in bad for p in paths)
+
     def _is_bad(self, i: int, path: str) -> bool:
         """Whether ``path`` failed as shard ``i``'s copy, as a whole or for any sample."""
         return (path in self._bad.get(i, ())
@@ -260,12 +277,28 @@ class CopyLadder:
         """The error for shard ``i`` once no copy is left; resets the ladder so the next sample
         starts from the top again (a copy bad in one sample may be good in another).  With a
         single copy configured that copy's own typed error is returned (it names the fix);
-        otherwise :class:`UnrepairableError` listing every attempt, chained to the last."""
-        self.counters.add("unrepairable")
+        otherwise :class:`UnrepairableError` listing every attempt, chained to the last.
+
+        Under ``on_corrupt="skip"`` a copy bad as a whole (missing, truncated, a bad index)
+        stays bad, and a shard none of whose copies opens stays lost: its other samples are
+        given up without trying those copies again, so each fault and the shard's
+        ``unrepairable`` are counted (and logged) once, not once per sample."""
         attempts = self._attempts.pop(i, [])
         last = self._last.pop(i, None)
-        self._bad.pop(i, None)
+        lost = self._lost.get(i)
+        if lost is not None and not attempts:
+            attempts, last = lost  # known lost: no copy was tried again, no new event
+        else:
+            self.counters.add("unrepairable")
         self._bad_samples.pop(i, None)
+        if self.on_corrupt == "skip":
+            # (the reading goes on: a copy bad as a whole stays bad, as it does while a later
+            # copy serves the shard)
+            if self._all_bad(i):
+                self._lost[i] = (attempts, last)
+        else:  # (the error ends the reading: a new one, after a repair, starts from the top)
+            self._bad.pop(i, None)
+            self._lost.pop(i, None)
         self.gave_up[i] = attempts  # (random access under on_corrupt="skip" reports them)
         if len(attempts) == 1 and isinstance(last, Exception):
             return last
@@ -550,10 +583,7 @@ def restore_original(root: str, entry: ShardEntry, good: str,
             return False
         layout = _layout_to_keep(root, entry, manifest)  # (before the original moves away)
         if os.path.exists(original):
-            qdir = os.path.join(root, QUARANTINE_DIR, os.path.dirname(entry.path))
-            os.makedirs(qdir, exist_ok=True)
-            stamp = time.strftime("%Y%m%dT%H%M%S")
-            os.replace(original, os.path.join(qdir, f"{os.path.basename(entry.path)}.{stamp}"))
+            _quarantine(root, entry, original)
             if counters is not None:
                 counters.add("quarantined")
         _copy_verified(good, original, entry.digest, layout)
@@ -571,6 +601,31 @@ def restore_original(root: str, entry: ShardEntry, good: str,
         return False
     finally:
         os.close(lock)
+
+
+def _quarantine(root: str, entry: ShardEntry, original: str) -> None:
+    """Keep the bad ``original`` of ``entry`` under ``<root>/.quarantine/``, named with the time
+    (and a number, when that name is taken: an earlier bad copy is never overwritten).
+
+    A hard link, where the filesystem has them: the original stays at its path until the good
+    copy replaces it (atomically), so a reader of the dataset (another job's, with no other
+    copy) never finds the shard missing while it is restored.  Elsewhere it is moved."""
+    qdir = os.path.join(root, QUARANTINE_DIR, os.path.dirname(entry.path))
+    os.makedirs(qdir, exist_ok=True)
+    base = os.path.join(qdir, f"{os.path.basename(entry.path)}.{time.strftime('%Y%m%dT%H%M%S')}")
+    for n in range(1000):
+        dest = base if n == 0 else f"{base}-{n}"
+        try:
+            os.link(original, dest)
+            return
+        except FileExistsError:
+            continue
+        except OSError:  # (no hard links on this filesystem)
+            if os.path.lexists(dest):
+                continue
+            os.replace(original, dest)
+            return
+    raise FileExistsError(errno.EEXIST, "no free quarantine name", base)
 
 
 def _matches(path: str, digest: str | None, size: int | None) -> bool:
@@ -612,6 +667,7 @@ def repair_dataset(root: str, *, replicas: Iterable[str] = (), use_parity: bool 
     report = RepairReport(damaged=[], repaired=[], unrepaired=[])
     _repair_dictionary(root, manifest, tuple(replicas), report)
     todo = range(len(manifest.shards)) if damaged is None else sorted(set(damaged))
+    left = []
     for i in todo:
         entry = manifest.shards[i]
         report.checked += 1
@@ -619,7 +675,16 @@ def repair_dataset(root: str, *, replicas: Iterable[str] = (), use_parity: bool 
         if _matches(ladder.original(i), entry.digest, entry.bytes) and idx_ok:
             continue
         report.damaged.append(entry.path)
-        source = _repair_one(ladder, i, replicas, use_parity)
+        source = _repair_one(ladder, i, replicas, False)
+        if source is None:
+            left.append(i)
+        else:
+            report.repaired.append((entry.path, source))
+    # Parity last: a group with more damaged shards than its parity covers rebuilds the rest
+    # once replicas restored enough of them, whatever their order in the manifest.
+    for i in left:
+        entry = manifest.shards[i]
+        source = _repair_one(ladder, i, (), True) if use_parity else None
         if source is None:
             report.unrepaired.append(entry.path)
         else:
@@ -666,6 +731,7 @@ def _repair_one(ladder: CopyLadder, i: int, replicas: Sequence[str], use_parity:
         cand = resolve_in(r, entry.path)
         if _matches(cand, entry.digest, entry.bytes) and restore_original(
                 ladder.root, entry, cand, ladder.counters, ladder.manifest):
+            ladder._bad[i].discard(original)  # (good now: a source for its group's parity)
             return f"replica {r}"
     if use_parity and ladder.manifest.parity:
         try:
@@ -675,6 +741,7 @@ def _repair_one(ladder: CopyLadder, i: int, replicas: Sequence[str], use_parity:
             return None
         try:
             if restore_original(ladder.root, entry, rebuilt, ladder.counters, ladder.manifest):
+                ladder._bad[i].discard(original)
                 return "parity"
         finally:
             for p in (rebuilt, rebuilt + ".idx"):

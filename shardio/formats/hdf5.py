@@ -30,6 +30,7 @@ wrong key or field.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -285,6 +286,7 @@ def load_hdf5_index(path: str) -> ShardIndex:
 
     Raises:
         ShardNotFoundError: no such file.
+        ShardIOError: the storage failed a read of its metadata (EIO, ...).
         IndexCorruptError: not a shardio HDF5 shard, or its index is damaged (unreadable, failing
             ``index_digest``, or inconsistent), or it claims a layout newer than this shardio.
     """
@@ -329,8 +331,23 @@ def load_hdf5_index(path: str) -> ShardIndex:
                 raise TypeError("shardio_meta is not a JSON object")
             checksum = _text(f.attrs["checksum"])
             stored_digest = f.attrs.get("index_digest")
+            # (h5py hands out text that is not UTF-8 with surrogate escapes, which encoding it
+            # for the digest refuses: damaged metadata too, not a UnicodeEncodeError to raise)
+            found = _index_digest(checksum, names, meta_text, key_blob, arrays)
     except ShardioError:
         raise
+    except OSError as exc:
+        if exc.errno is None:  # (h5py's damaged metadata: an OSError without errno)
+            raise IndexCorruptError(
+                f"cannot read the index of HDF5 shard {path} ({exc}); the file is damaged: "
+                "restore it from a good copy or repack") from exc
+        if exc.errno == errno.ENOENT:
+            raise ShardNotFoundError(
+                f"shard {path} is missing; restore it or repack the dataset") from exc
+        # The storage failed a read (EIO, ...): an I/O error, not a damaged index.
+        raise translate_oserror(
+            OSError(exc.errno, os.strerror(exc.errno)), path, "reading the index of HDF5 shard"
+        ) from exc
     except Exception as exc:  # h5py raises anything on damaged metadata (AttributeError, ...)
         raise IndexCorruptError(
             f"cannot read the index of HDF5 shard {path} ({exc}); the file is damaged: restore it "
@@ -338,7 +355,6 @@ def load_hdf5_index(path: str) -> ShardIndex:
         ) from exc
     problem = None
     if stored_digest is not None:  # absent in shards written before it existed
-        found = _index_digest(checksum, names, meta_text, key_blob, arrays)
         if _text(stored_digest) != found:
             problem = f"index_digest mismatch: expected {_text(stored_digest)}, found {found}"
     problem = problem or structure_problem(names, payload_len, key_blob, arrays)
