@@ -215,6 +215,16 @@ class PackOptions:
     def codec_level(self) -> int:
         return parse_compress(self.compress)[1]
 
+    def _compress_key(self) -> str | None:
+        """``compress`` spelled one way for each setting: ``None`` (``"none"``, ``""``), ``"zstd"``
+        (level 3, also ``"zstd:3"``) or ``"zstd:LEVEL"``.  (Spelled as given, ``zstd`` and
+        ``zstd:3`` made two jobs: parts launched with each were refused as foreign at merge,
+        and a resume with the other spelling did not take the shards already written.)"""
+        name, level = parse_compress(self.compress)
+        if name is None:
+            return None
+        return name if level == 3 else f"{name}:{level}"
+
     def output_key(self) -> dict[str, object]:
         """The options a multi-node part records to rebuild its command: :meth:`job_key` and
         ``on_error`` (workers, overwrite, resume, fsync and part are not recorded)."""
@@ -231,7 +241,7 @@ class PackOptions:
         """
         return {
             "format": self.format, "shard_size": self.shard_size,
-            "samples_per_shard": self.samples_per_shard, "compress": self.compress,
+            "samples_per_shard": self.samples_per_shard, "compress": self._compress_key(),
             "zstd_dict": self.zstd_dict, "label_from_dir": self.label_from_dir,
             "checksum": self.checksum, "prefix": self.prefix, "parity": self.parity,
         }

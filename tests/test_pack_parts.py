@@ -560,3 +560,23 @@ def test_parts_of_another_format_over_a_merged_job(cli: Cli, image_tree: Path,
     expected = single_pack(cli, image_tree, ref, [*SINGLE_ARGS, "--format", "hdf5"])
     assert tree_bytes(out) == expected
     assert shardio.verify_dataset(str(out)) == []
+
+
+def test_parts_with_two_spellings_of_one_compression_merge(image_tree: Path,
+                                                          tmp_path: Path) -> None:
+    """``zstd`` and ``zstd:3`` are one setting (``none`` and no compression too): parts launched
+    with either spelling are one job, merged to the dataset a single pack makes."""
+    out, single = tmp_path / "out", tmp_path / "single"
+    shardio.pack(image_tree, out, **KW, compress="zstd", part=(0, 2))
+    shardio.pack(image_tree, out, **KW, compress="zstd:3", part=(1, 2))
+    merged = parts.merge(out)
+    shardio.pack(image_tree, single, **KW, compress="zstd")
+    assert tree_bytes(out) == tree_bytes(single)
+    assert merged.num_samples == Manifest.load(single).num_samples
+    none = tmp_path / "none"
+    shardio.pack(image_tree, none, **KW, compress="none", part=(0, 2))
+    shardio.pack(image_tree, none, **KW, part=(1, 2))
+    parts.merge(none)
+    shardio.pack(image_tree, tmp_path / "l5", **KW, compress="zstd:5", part=(0, 2))
+    with pytest.raises(OutputNotEmptyError, match="no run of this job"):  # another level
+        shardio.pack(image_tree, tmp_path / "l5", **KW, compress="zstd", part=(1, 2))
