@@ -217,7 +217,7 @@ class _Bench:
         self.notes: list[str] = []
         self.files: list[tuple[str, int]] = []  # (path, size) of the data files
         self.rng = np.random.default_rng(0x5EED)
-        self.buf = np.frombuffer(bytearray(self.rng.bytes(max(self.io_sizes))), dtype=np.uint8)
+        self.buf = np.zeros(0, dtype=np.uint8)  # the write buffer: made by plan()
         self.res: dict[str, Any] = {"seq_write": [], "seq_read": [], "random_read": [],
                                     "metadata": {}, "streams": [], "lustre_osts": None,
                                     "cache_dir": None}
@@ -370,6 +370,8 @@ class _Bench:
 
     def plan(self, data_share: int) -> None:
         """Number and size of the data files: one per I/O size and at least one per stream."""
+        import numpy as np
+
         n = max(len(self.io_sizes), max(self.threads))
         size = data_share // n // (64 * KiB) * (64 * KiB)
         if size < min(self.io_sizes):
@@ -378,6 +380,10 @@ class _Bench:
                 f"than the smallest I/O size {_size(min(self.io_sizes))}; pass a larger --budget, "
                 "smaller --io-sizes or fewer --threads")
         self.n_files, self.file_size = n, size
+        # As large as the largest I/O size that is used (those above the file size are skipped):
+        # an --io-sizes far above the budget allocated that much memory before anything ran.
+        top = max(s for s in self.io_sizes if s <= size)
+        self.buf = np.frombuffer(bytearray(self.rng.bytes(top)), dtype=np.uint8)
 
     def seq_write(self, deadline: float) -> None:
         n_files, size = self.n_files, self.file_size

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,3 +35,34 @@ def test_loader_bench_counts_the_last_steps_compute(ds: Path, cli) -> None:
     assert rc == 0, err
     (x,) = json.loads(out)["runs"]
     assert x["compute_per_step_s"] >= 0.1  # (was ~0.05: one step of two)
+
+
+def _run_limited(code: str, limit_bytes: int, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter whose address space is capped at ``limit_bytes`` (an
+    allocation the size of an absurd option fails there instead of swapping this machine)."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", code], preexec_fn=cap, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_storage_bench_huge_io_size_does_not_allocate_it(tmp_path: Path) -> None:
+    """An I/O size far above the budget is skipped (the test files are smaller), but the write
+    buffer was made that large first: --io-sizes 64KiB,16GiB with an 8 MiB budget asked for
+    16 GiB of memory (MemoryError traceback, or the OOM killer)."""
+    code = ("import json, sys; from shardio.storagebench import run_storage_bench\n"
+            f"r = run_storage_bench({str(tmp_path)!r}, budget_bytes='8MiB', time_limit_s=1,"
+            " io_sizes=['64KiB', '16GiB'], threads=[1], direct=False)\n"
+            "print(json.dumps(r))")
+    p = _run_limited(code, 3 << 30)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout)
+    assert r["error"] is None
+    assert [e["io_size"] for e in r["seq_write"]] == [64 * 1024]
+    assert any("skipped" in n for n in r["notes"])
+    assert os.listdir(tmp_path) == []
