@@ -38,6 +38,7 @@ import errno
 import json
 import math
 import mmap
+import numbers
 import os
 import re
 import secrets
@@ -175,7 +176,9 @@ def _check_options(path: str, budget: int, time_limit: float, io_sizes: Sequence
         if s <= 0 or s % _ALIGN:
             raise UsageError(f"I/O size {s} is not a positive multiple of 4 KiB (O_DIRECT needs "
                              "aligned sizes); pass e.g. --io-sizes 64KiB,1MiB,4MiB")
-    if not io_sizes or not threads or any(not 1 <= t <= 256 for t in threads):
+    if not io_sizes or not threads or any(
+            isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 1 <= t <= 256
+            for t in threads):  # (2.0 passed, then failed deep in the run with a TypeError)
         raise UsageError(f"need at least one I/O size and thread counts in 1..256, got "
                          f"{list(io_sizes)} / {list(threads)}; pass e.g. --threads 1,4")
 
@@ -205,7 +208,7 @@ class _Bench:
 
         self.path, self.budget, self.progress = path, budget, progress
         self.io_sizes = sorted(set(io_sizes))
-        self.threads = sorted(set(threads))
+        self.threads = sorted({int(t) for t in threads})  # (numpy ints: not JSON)
         self.sample_size, self.want_direct = sample_size, direct and bool(_O_DIRECT)
         self.direct_ok = False
         self.probe = lustre.FsProbe()

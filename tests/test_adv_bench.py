@@ -91,3 +91,26 @@ def test_storage_bench_small_writes_are_not_charged_for_marking_the_whole_buffer
         if ratios[-1] >= 0.5:
             return
     pytest.fail(f"64 KiB writes at {ratios} of the 32 MiB writes' MB/s")
+
+
+@pytest.mark.parametrize("threads", [[2.0], [True], ["2"]])
+def test_storage_bench_thread_counts_must_be_integers(tmp_path: Path, threads: list) -> None:
+    """A float thread count passed the range check and failed mid-run with "TypeError: 'float'
+    object cannot be interpreted as an integer" (its temp files written by then)."""
+    from shardio.errors import UsageError
+    from shardio.storagebench import run_storage_bench
+
+    with pytest.raises(UsageError, match="--threads"):
+        run_storage_bench(tmp_path, budget_bytes="8MiB", time_limit_s=0.3,
+                          io_sizes=["64KiB"], threads=threads, direct=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_storage_bench_numpy_thread_counts_give_json(tmp_path: Path) -> None:
+    import numpy as np
+
+    from shardio.storagebench import run_storage_bench
+
+    r = run_storage_bench(tmp_path, budget_bytes="8MiB", time_limit_s=0.3, io_sizes=["64KiB"],
+                          threads=np.array([1, 2]), direct=False)
+    assert json.loads(json.dumps(r))["config"]["threads"] == [1, 2]
