@@ -114,3 +114,61 @@ def test_storage_bench_numpy_thread_counts_give_json(tmp_path: Path) -> None:
     r = run_storage_bench(tmp_path, budget_bytes="8MiB", time_limit_s=0.3, io_sizes=["64KiB"],
                           threads=np.array([1, 2]), direct=False)
     assert json.loads(json.dumps(r))["config"]["threads"] == [1, 2]
+
+
+class _Clock:
+    """A LoaderStats clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_stats_mid_loop_divide_compute_by_the_steps_it_covers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A step's compute is known only at the next request, so inside the loop compute_s covers
+    one step fewer than ``steps``: it was divided by ``steps`` anyway (the log line and a
+    stats() call in the loop body said half the compute at step 2, a 40% wait for 25%)."""
+    import logging
+
+    from shardio.stats import LoaderStats
+
+    clock = _Clock()
+    stats = LoaderStats(log_every=2, clock=clock)
+    stats.begin_epoch()
+    with caplog.at_level(logging.INFO, logger="shardio.loader"):
+        for step in range(4):
+            started = stats.begin_wait()
+            clock.t += 1.0  # wait
+            stats.end_wait(started, {})
+            s = stats.summary()
+            assert s["steps"] == step + 1 and s["wait_per_step_s"] == 1.0
+            if step:
+                assert s["compute_per_step_s"] == pytest.approx(3.0)
+                assert s["wait_fraction"] == pytest.approx(0.25)
+            clock.t += 3.0  # the training step
+    stats.begin_wait()  # the request after the last batch: its compute is known
+    stats.epoch_end()
+    s = stats.summary()
+    assert (s["wait_s"], s["compute_s"]) == (4.0, 12.0)
+    assert s["compute_per_step_s"] == 3.0 and s["wait_fraction"] == 0.25
+    lines = [r.getMessage() for r in caplog.records if "data wait" in r.getMessage()]
+    assert len(lines) == 2 and all("data wait 25.0%" in m for m in lines), lines
+
+
+def test_loader_stats_in_the_loop_body(ds: Path) -> None:
+    """Real loader, stats() read in the loop body as a training script does."""
+    import time
+
+    from shardio import ShardDataset, ShardLoader
+
+    with ShardLoader(ShardDataset(ds), batch_size=8, num_workers=0) as loader:
+        for i, _batch in enumerate(loader):
+            if i == 2:
+                s = loader.stats()
+                break
+            time.sleep(0.1)
+    assert s["steps"] == 3
+    assert 0.1 <= s["compute_per_step_s"] < 0.2, s  # (was 2 steps' compute over 3: ~0.067)
