@@ -413,7 +413,7 @@ class _Bench:
             acc[0], acc[1], acc[2] = acc[0] + done, acc[1] + secs, acc[2] or stopped
             if i == 0:
                 self.probe_direct(path)
-        self.res["seq_write"] = [{"io_size": s, "bytes": b, "seconds": round(t, 4),
+        self.res["seq_write"] = [{"io_size": s, "bytes": b, "seconds": round(t, 6),
                                   "mb_per_s": _mbps(b, t), "stopped_early": st}
                                  for s, (b, t, st) in per.items() if b]
 
@@ -429,7 +429,7 @@ class _Bench:
             end = time.monotonic() + (deadline - time.monotonic()) / (len(runs) - k)
             done, secs, stopped = self.read_file(path, io, mode == "direct", end)
             self.res["seq_read"].append({"io_size": io, "mode": mode, "bytes": done,
-                                         "seconds": round(secs, 4), "mb_per_s": _mbps(done, secs),
+                                         "seconds": round(secs, 6), "mb_per_s": _mbps(done, secs),
                                          "stopped_early": stopped})
 
     def random_read(self, deadline: float) -> None:
@@ -486,7 +486,7 @@ class _Bench:
                 os.close(fd)
         ops = sum(len(lat) for lat in lats)
         return {"io_size": io, "threads": nt, "mode": "direct" if direct else "page_cache",
-                "ops": ops, "seconds": round(wall, 4), "iops": round(ops / max(wall, 1e-9), 1),
+                "ops": ops, "seconds": round(wall, 6), "iops": round(ops / max(wall, 1e-9), 1),
                 "mb_per_s": _mbps(ops * io, wall), "latency_us": _percentiles_us(*lats)}
 
     def metadata(self, deadline: float) -> None:
@@ -545,7 +545,7 @@ class _Bench:
             wall = self.run_threads(nt, work)
             self.res["streams"].append({"threads": nt, "io_size": io,
                                         "mode": "direct" if direct else "page_cache",
-                                        "bytes": sum(done), "seconds": round(wall, 4),
+                                        "bytes": sum(done), "seconds": round(wall, 6),
                                         "mb_per_s": _mbps(sum(done), wall)})
 
     def lustre_osts(self, share: int, deadline: float) -> None:

@@ -218,3 +218,52 @@ def test_storage_bench_page_cache_random_reads_leave_nothing_cached(tmp_path: Pa
     assert r["error"] is None and r["fs"]["kind"] != "tmpfs", r["fs"]  # (tmpfs: all memory)
     assert [m for m, _ in seen][-1].startswith("metadata")
     assert all(n == 0 for _, n in seen[1:]), seen  # (the first: before any random read)
+
+
+def test_storage_bench_figures_agree_with_their_bytes_and_seconds() -> None:
+    """MB/s is decimal (1e6 bytes) per second of the same entry's seconds, IOPS its ops per
+    second.  Seconds were rounded to 0.1 ms: a short pass (a 64 KiB read in ~0.1 ms on tmpfs,
+    or with a tight --time-limit) said 0.0001 s beside a rate computed from 0.000085 s (15%
+    apart), and 0.0 s, a division by zero for a reader of the JSON, on a faster machine."""
+    import tempfile
+
+    from shardio.storagebench import run_storage_bench
+
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("needs a writable /dev/shm (short passes)")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        r = run_storage_bench(d, budget_bytes="8MiB", time_limit_s=0.001,
+                              io_sizes=["64KiB", "1MiB"], threads=[1, 2], direct=False)
+    r = json.loads(json.dumps(r))
+    entries = r["seq_write"] + r["seq_read"] + r["streams"]
+    assert entries
+    for e in entries:
+        assert e["seconds"] > 0, e
+        assert e["mb_per_s"] == pytest.approx(e["bytes"] / e["seconds"] / 1e6, rel=0.02), e
+    for e in r["random_read"]:
+        assert e["seconds"] > 0, e
+        assert e["iops"] == pytest.approx(e["ops"] / e["seconds"], rel=0.02), e
+        assert e["mb_per_s"] == pytest.approx(e["ops"] * e["io_size"] / e["seconds"] / 1e6,
+                                              rel=0.02), e
+
+
+def test_latency_percentiles_match_numpy_reference() -> None:
+    """Reference computation: P50/P99/P99.9 (microseconds) of nanosecond latencies split over
+    several threads' arrays equal numpy.percentile of all of them; one sample is every
+    percentile; they never decrease."""
+    from array import array
+
+    import numpy as np
+
+    from shardio.storagebench import _percentiles_us
+
+    rng = np.random.default_rng(7)
+    data = rng.lognormal(11, 1.5, 997).astype(np.int64)
+    parts = [array("q", data[:10].tolist()), array("q"), array("q", data[10:].tolist())]
+    got = _percentiles_us(*parts)
+    want = np.percentile(data / 1e3, [50, 99, 99.9])
+    assert [got["p50"], got["p99"], got["p99_9"]] == pytest.approx(want.round(2).tolist(),
+                                                                   abs=0.01)
+    assert _percentiles_us(array("q", [1500])) == {"p50": 1.5, "p99": 1.5, "p99_9": 1.5}
+    few = _percentiles_us(array("q", [1000, 2000, 3000]))
+    assert few["p50"] == 2.0 and few["p50"] <= few["p99"] <= few["p99_9"] <= 3.0
