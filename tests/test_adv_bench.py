@@ -267,3 +267,26 @@ def test_latency_percentiles_match_numpy_reference() -> None:
     assert _percentiles_us(array("q", [1500])) == {"p50": 1.5, "p99": 1.5, "p99_9": 1.5}
     few = _percentiles_us(array("q", [1000, 2000, 3000]))
     assert few["p50"] == 2.0 and few["p50"] <= few["p99"] <= few["p99_9"] <= 3.0
+
+
+def test_storage_bench_full_cache_dir_is_a_note_about_the_cache(tmp_path: Path) -> None:
+    """A --cache-dir whose filesystem is full (here: out of inodes, so the test file cannot be
+    made) ended the run with "disk full ... under PATH; free space, or pass a smaller --budget"
+    and exit 1: the wrong filesystem named, PATH's complete figures reported as failed.  An
+    unusable cache directory is a note naming it, as a missing one already was."""
+    from tests.test_storagebench import mount, umount
+
+    from shardio.storagebench import run_storage_bench
+
+    cache = mount(tmp_path / "cache", "tmpfs", "size=16m,nr_inodes=2")
+    try:
+        data = tmp_path / "data"
+        data.mkdir()
+        r = run_storage_bench(data, budget_bytes="8MiB", time_limit_s=1, io_sizes=["64KiB"],
+                              threads=[1], direct=False, cache_dir=str(cache))
+        assert os.listdir(cache) == [] and os.listdir(data) == []
+    finally:
+        umount(cache)
+    assert r["error"] is None, r["error"]
+    assert r["cache_dir"] is None and r["seq_read"] and r["metadata"]
+    assert [n for n in r["notes"] if n.startswith(f"--cache-dir {cache}:") and "No space" in n]
