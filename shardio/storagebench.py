@@ -718,8 +718,9 @@ def _notes(r: dict[str, Any], extra: list[str], capped: bool) -> list[str]:
     notes = [("sequential writes are timed through fsync, so the page cache cannot absorb them; "
               "every 4 KiB block written is unique random data (no compression or dedup gains)"),
              ("page-cache reads (mode page_cache) follow fsync + POSIX_FADV_DONTNEED on the file, "
-              "so they measure the device plus kernel read-ahead; a network filesystem client may "
-              "keep pages anyway, which would show as read MB/s far above write MB/s")]
+              "so they measure the device plus kernel read-ahead (random reads: read-ahead off, "
+              "each read's pages dropped after it); a network filesystem client may keep pages "
+              "anyway, which would show as read MB/s far above write MB/s")]
     if r["config"]["direct_used"]:
         notes.append("random reads and streams used O_DIRECT: no page cache involved")
     notes.append("latencies are timed around each os.preadv/os.open call from Python, which adds "
