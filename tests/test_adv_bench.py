@@ -48,7 +48,7 @@ def _run_limited(code: str, limit_bytes: int, timeout: float = 60) -> subprocess
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
                OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", code], preexec_fn=cap, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def test_storage_bench_huge_io_size_does_not_allocate_it(tmp_path: Path) -> None:
@@ -274,9 +274,8 @@ def test_storage_bench_full_cache_dir_is_a_note_about_the_cache(tmp_path: Path) 
     made) ended the run with "disk full ... under PATH; free space, or pass a smaller --budget"
     and exit 1: the wrong filesystem named, PATH's complete figures reported as failed.  An
     unusable cache directory is a note naming it, as a missing one already was."""
-    from tests.test_storagebench import mount, umount
-
     from shardio.storagebench import run_storage_bench
+    from tests.test_storagebench import mount, umount
 
     cache = mount(tmp_path / "cache", "tmpfs", "size=16m,nr_inodes=2")
     try:
