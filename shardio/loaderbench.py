@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import numbers
 import os
 import sys
 import time
@@ -109,10 +110,12 @@ def run_loader_bench(path: str, *, workers: Sequence[int] = (1, 2, 4), batch_siz
     from .errors import UsageError
     from .manifest import Manifest
 
-    if (steps < 1 or batch_size < 1 or not 0 <= step_time < 3600 or not workers
+    if (isinstance(steps, bool) or not isinstance(steps, numbers.Integral)  # (2.5 ran 3 steps)
+            or steps < 1 or batch_size < 1 or not 0 <= step_time < 3600 or not workers
             or min(workers) < 1 or not 0 < target <= 1):
         # (NaN fails every comparison: "not 0 <= nan" holds, so it is refused too.)
-        raise UsageError("need --steps >= 1, --batch-size >= 1, 0 <= --step-time < 3600 s, "
+        raise UsageError("need --steps an integer >= 1, --batch-size >= 1, "
+                         "0 <= --step-time < 3600 s, "
                          "--workers >= 1, 0 < --target <= 1")
     from .config import LoaderOptions
 

@@ -289,3 +289,13 @@ def test_storage_bench_full_cache_dir_is_a_note_about_the_cache(tmp_path: Path) 
     assert r["error"] is None, r["error"]
     assert r["cache_dir"] is None and r["seq_read"] and r["metadata"]
     assert [n for n in r["notes"] if n.startswith(f"--cache-dir {cache}:") and "No space" in n]
+
+
+@pytest.mark.parametrize("steps", [2.5, True, "3"])
+def test_loader_bench_steps_must_be_an_integer(ds: Path, steps: object) -> None:
+    """steps=2.5 ran 3 steps and reported "steps": 2.5; True ran one."""
+    from shardio.errors import UsageError
+    from shardio.loaderbench import run_loader_bench
+
+    with pytest.raises(UsageError, match="--steps"):
+        run_loader_bench(str(ds), workers=[1], steps=steps, step_time=0, batch_size=4)
