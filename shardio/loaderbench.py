@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import numbers
 import os
 import sys
 import time
@@ -23,11 +24,13 @@ from typing import Any
 __all__ = ["add_arguments", "format_report", "run_cli", "run_loader_bench"]
 
 
-def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+def _delta(after: dict[str, Any], before: dict[str, Any], compute: float) -> dict[str, Any]:
+    """The timed steps' figures: wait and stage times from the loader's accounting between the
+    two ``stats()``; ``compute``, the steps' compute, as the bench timed it (the loader credits
+    a step's compute only when the next batch is asked for, which the last step never does)."""
     steps = after["steps"] - before["steps"]
     n = max(steps, 1)
     wait = after["wait_s"] - before["wait_s"]
-    compute = after["compute_s"] - before["compute_s"]
     stages = {k: (after["stage_s"][k] - before["stage_s"].get(k, 0.0)) / n
               for k in after["stage_s"]}
     return {"steps": steps, "wait_per_step_s": wait / n, "compute_per_step_s": compute / n,
@@ -45,7 +48,7 @@ def measure(path: str, workers: int, *, batch_size: int, steps: int, step_time: 
     kw: dict[str, Any] = {"cache_dir": cache_dir} if cache_dir else {}
     ds = ShardDataset(path, decode=decode, batch_size=batch_size, seed=seed, **kw)
     t0 = time.perf_counter()
-    epoch, done, samples = 0, 0, 0
+    epoch, done, samples, compute = 0, 0, 0, 0.0
     with ShardLoader(ds, batch_size=batch_size, num_workers=workers,
                      **(loader_options or {})) as loader:
         loader.set_epoch(epoch)
@@ -62,12 +65,14 @@ def measure(path: str, workers: int, *, batch_size: int, steps: int, step_time: 
                 loader.set_epoch(epoch)
                 it = iter(loader)
                 continue
+            got = time.perf_counter()
             samples += _batch_len(batch)
             del batch
             time.sleep(step_time)
+            compute += time.perf_counter() - got
             done += 1
         wall = time.perf_counter() - t1
-        result = _delta(loader.stats(), before)
+        result = _delta(loader.stats(), before, compute)
         if ds._stager is not None:
             ds._stager.stop()
     result.update(workers=workers, first_batch_s=first, samples_per_s=samples / wall,
@@ -105,10 +110,12 @@ def run_loader_bench(path: str, *, workers: Sequence[int] = (1, 2, 4), batch_siz
     from .errors import UsageError
     from .manifest import Manifest
 
-    if (steps < 1 or batch_size < 1 or not 0 <= step_time < 3600 or not workers
+    if (isinstance(steps, bool) or not isinstance(steps, numbers.Integral)  # (2.5 ran 3 steps)
+            or steps < 1 or batch_size < 1 or not 0 <= step_time < 3600 or not workers
             or min(workers) < 1 or not 0 < target <= 1):
         # (NaN fails every comparison: "not 0 <= nan" holds, so it is refused too.)
-        raise UsageError("need --steps >= 1, --batch-size >= 1, 0 <= --step-time < 3600 s, "
+        raise UsageError("need --steps an integer >= 1, --batch-size >= 1, "
+                         "0 <= --step-time < 3600 s, "
                          "--workers >= 1, 0 < --target <= 1")
     from .config import LoaderOptions
 

@@ -54,6 +54,10 @@ class LoaderStats:
     # (wait, compute) of the last ``window`` measured steps.
     _recent: deque[tuple[float, float]] = field(default_factory=deque, repr=False)
     _measured: int = field(default=0, repr=False)  # steps that entered _recent
+    # Steps whose compute is in compute_s: a step's compute is known only when the next batch
+    # is asked for, so mid-iteration (the loop body calling stats(), the log line) one fewer
+    # than ``steps``, and the last step of an iteration the loop left never.
+    _computed: int = field(default=0, repr=False)
     _warned_at: int | None = field(default=None, repr=False)  # _measured at the last warning
     _starved: bool = field(default=False, repr=False)  # in a warned episode of starvation
     _first: bool = field(default=True, repr=False)  # the next step is an iteration's first
@@ -68,6 +72,7 @@ class LoaderStats:
             compute = now - self._last_return
             self._last_return = None
             self.compute_s += compute
+            self._computed += 1
             if self._pending is not None:
                 self._recent.append((self._pending, compute))
                 self._pending = None
@@ -131,15 +136,20 @@ class LoaderStats:
             self.window, w / self.window, c / self.window)
 
     def summary(self) -> dict[str, Any]:
+        """Totals, and per-step means over the steps each total covers (compute_s covers the
+        steps whose compute is known: dividing it by ``steps`` understated compute, and
+        overstated the wait fraction, by one step in every stats() call made inside the loop:
+        half the compute at the second step)."""
         n = max(self.steps, 1)
-        total = self.wait_s + self.compute_s
+        wait = self.wait_s / n
+        compute = self.compute_s / max(self._computed, 1)
         return {
             "steps": self.steps,
             "wait_s": self.wait_s,
             "compute_s": self.compute_s,
-            "wait_per_step_s": self.wait_s / n,
-            "compute_per_step_s": self.compute_s / n,
-            "wait_fraction": self.wait_s / total if total > 0 else 0.0,
+            "wait_per_step_s": wait,
+            "compute_per_step_s": compute,
+            "wait_fraction": wait / (wait + compute) if wait + compute > 0 else 0.0,
             "stage_s": dict(self.stage_s),
             "stage_per_batch_s": {k: v / n for k, v in self.stage_s.items()},
             "copied_out": self.copied_out,

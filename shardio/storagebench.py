@@ -38,6 +38,7 @@ import errno
 import json
 import math
 import mmap
+import numbers
 import os
 import re
 import secrets
@@ -175,7 +176,9 @@ def _check_options(path: str, budget: int, time_limit: float, io_sizes: Sequence
         if s <= 0 or s % _ALIGN:
             raise UsageError(f"I/O size {s} is not a positive multiple of 4 KiB (O_DIRECT needs "
                              "aligned sizes); pass e.g. --io-sizes 64KiB,1MiB,4MiB")
-    if not io_sizes or not threads or any(not 1 <= t <= 256 for t in threads):
+    if not io_sizes or not threads or any(
+            isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 1 <= t <= 256
+            for t in threads):  # (2.0 passed, then failed deep in the run with a TypeError)
         raise UsageError(f"need at least one I/O size and thread counts in 1..256, got "
                          f"{list(io_sizes)} / {list(threads)}; pass e.g. --threads 1,4")
 
@@ -205,7 +208,7 @@ class _Bench:
 
         self.path, self.budget, self.progress = path, budget, progress
         self.io_sizes = sorted(set(io_sizes))
-        self.threads = sorted(set(threads))
+        self.threads = sorted({int(t) for t in threads})  # (numpy ints: not JSON)
         self.sample_size, self.want_direct = sample_size, direct and bool(_O_DIRECT)
         self.direct_ok = False
         self.probe = lustre.FsProbe()
@@ -217,7 +220,7 @@ class _Bench:
         self.notes: list[str] = []
         self.files: list[tuple[str, int]] = []  # (path, size) of the data files
         self.rng = np.random.default_rng(0x5EED)
-        self.buf = np.frombuffer(bytearray(self.rng.bytes(max(self.io_sizes))), dtype=np.uint8)
+        self.buf = np.zeros(0, dtype=np.uint8)  # the write buffer: made by plan()
         self.res: dict[str, Any] = {"seq_write": [], "seq_read": [], "random_read": [],
                                     "metadata": {}, "streams": [], "lustre_osts": None,
                                     "cache_dir": None}
@@ -235,11 +238,14 @@ class _Bench:
         done, stopped = 0, False
         t0 = time.perf_counter()
         while done < size:
-            words[::_ALIGN // 8] += 1  # every 4 KiB block unique: no dedup, no compression
             n = min(io, size - done, self.budget - self.written)
             if n <= 0:
                 stopped = True
                 break
+            # Every 4 KiB block unique (no dedup, no compression): only the blocks about to be
+            # written are marked (marking the whole buffer, up to the largest I/O size, cost
+            # more than a small write itself and was timed with it).
+            words[:(n + 7) // 8:_ALIGN // 8] += 1
             n = os.write(fd, view[:n])
             done += n
             self.written += n
@@ -370,6 +376,8 @@ class _Bench:
 
     def plan(self, data_share: int) -> None:
         """Number and size of the data files: one per I/O size and at least one per stream."""
+        import numpy as np
+
         n = max(len(self.io_sizes), max(self.threads))
         size = data_share // n // (64 * KiB) * (64 * KiB)
         if size < min(self.io_sizes):
@@ -378,6 +386,10 @@ class _Bench:
                 f"than the smallest I/O size {_size(min(self.io_sizes))}; pass a larger --budget, "
                 "smaller --io-sizes or fewer --threads")
         self.n_files, self.file_size = n, size
+        # As large as the largest I/O size that is used (those above the file size are skipped):
+        # an --io-sizes far above the budget allocated that much memory before anything ran.
+        top = max(s for s in self.io_sizes if s <= size)
+        self.buf = np.frombuffer(bytearray(self.rng.bytes(top)), dtype=np.uint8)
 
     def seq_write(self, deadline: float) -> None:
         n_files, size = self.n_files, self.file_size
@@ -401,7 +413,7 @@ class _Bench:
             acc[0], acc[1], acc[2] = acc[0] + done, acc[1] + secs, acc[2] or stopped
             if i == 0:
                 self.probe_direct(path)
-        self.res["seq_write"] = [{"io_size": s, "bytes": b, "seconds": round(t, 4),
+        self.res["seq_write"] = [{"io_size": s, "bytes": b, "seconds": round(t, 6),
                                   "mb_per_s": _mbps(b, t), "stopped_early": st}
                                  for s, (b, t, st) in per.items() if b]
 
@@ -417,7 +429,7 @@ class _Bench:
             end = time.monotonic() + (deadline - time.monotonic()) / (len(runs) - k)
             done, secs, stopped = self.read_file(path, io, mode == "direct", end)
             self.res["seq_read"].append({"io_size": io, "mode": mode, "bytes": done,
-                                         "seconds": round(secs, 4), "mb_per_s": _mbps(done, secs),
+                                         "seconds": round(secs, 6), "mb_per_s": _mbps(done, secs),
                                          "stopped_early": stopped})
 
     def random_read(self, deadline: float) -> None:
@@ -437,14 +449,21 @@ class _Bench:
 
         direct = self.direct_ok
         fds = [self.open_read(p, direct) for p, _ in files]
+        if not direct:
+            # Without O_DIRECT, a read must not find its pages cached: no read-ahead around
+            # each read, and each read's pages dropped after it (untimed).  Dropping whole files
+            # once per working set read, as before, left ~45% of 4 KiB reads served from
+            # memory (read-ahead and repeated offsets): IOPS doubled, P50 a memory latency.
+            for fd in fds:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         blocks = np.array([(s - io) // _ALIGN + 1 for _, s in files], dtype=np.int64)
-        working_set = sum(s for _, s in files)
         lats = [array("q") for _ in range(nt)]  # 8 bytes per sample: millions fit
 
         def work(i: int) -> None:
             rng = np.random.default_rng(1000 + i)
             buf = mmap.mmap(-1, io)
-            lat, since_drop, clock = lats[i], 0, time.perf_counter_ns
+            lat, clock = lats[i], time.perf_counter_ns
+            drop = os.POSIX_FADV_DONTNEED
             try:
                 while True:  # at least one batch, however little time is left
                     which = rng.integers(0, len(fds), 64)
@@ -453,11 +472,8 @@ class _Bench:
                         t0 = clock()
                         os.preadv(fds[f], [buf], off)
                         lat.append(clock() - t0)
-                    since_drop += 64 * io
-                    if not direct and since_drop * nt >= working_set:
-                        for fd in fds:  # keep repeated reads of the files from hitting memory
-                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                        since_drop = 0
+                        if not direct:
+                            os.posix_fadvise(fds[f], off, io, drop)
                     if self.stop.is_set() or time.monotonic() >= deadline:
                         break
             finally:
@@ -470,7 +486,7 @@ class _Bench:
                 os.close(fd)
         ops = sum(len(lat) for lat in lats)
         return {"io_size": io, "threads": nt, "mode": "direct" if direct else "page_cache",
-                "ops": ops, "seconds": round(wall, 4), "iops": round(ops / max(wall, 1e-9), 1),
+                "ops": ops, "seconds": round(wall, 6), "iops": round(ops / max(wall, 1e-9), 1),
                 "mb_per_s": _mbps(ops * io, wall), "latency_us": _percentiles_us(*lats)}
 
     def metadata(self, deadline: float) -> None:
@@ -529,7 +545,7 @@ class _Bench:
             wall = self.run_threads(nt, work)
             self.res["streams"].append({"threads": nt, "io_size": io,
                                         "mode": "direct" if direct else "page_cache",
-                                        "bytes": sum(done), "seconds": round(wall, 4),
+                                        "bytes": sum(done), "seconds": round(wall, 6),
                                         "mb_per_s": _mbps(sum(done), wall)})
 
     def lustre_osts(self, share: int, deadline: float) -> None:
@@ -601,18 +617,13 @@ class _Bench:
                 self.notes.append(f"--cache-dir {cache}: cannot be used ({exc.strerror or exc})")
                 return
             self.say("cache_dir", f"{_size(share)} written and read in {cache}")
-            path = os.path.join(tmp, "data")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                wrote, _, _ = self.write_file(fd, io, share, (deadline + time.monotonic()) / 2)
-            finally:
-                os.close(fd)
-            try:
-                got, secs, _ = self.read_file(path, io, self.direct_ok, deadline)
-            except OSError as exc:  # the cache's filesystem may refuse O_DIRECT where PATH did not
-                if not self.direct_ok or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-                got, secs, _ = self.read_file(path, io, False, deadline)
+                wrote, got, secs = self.cache_pass(os.path.join(tmp, "data"), io, share,
+                                                   deadline)
+            except OSError as exc:  # (PATH's figures stand: not the run's error, nor PATH's)
+                self.notes.append(f"--cache-dir {cache}: writing or reading a test file there "
+                                  f"failed ({exc.strerror or exc}); it was not measured")
+                return
             fs = lustre.detect_fs(cache, self.probe)
             self.res["cache_dir"] = {"path": cache, "kind": fs.kind, "bytes": wrote,
                                      "read_mb_per_s": _mbps(got, secs)}
@@ -621,6 +632,22 @@ class _Bench:
                 left = _remove_tree(tmp)
                 if left:
                     self.notes.append(f"could not remove {tmp}: {left}")
+
+    def cache_pass(self, path: str, io: int, share: int,
+                   deadline: float) -> tuple[int, int, float]:
+        """Write ``share`` bytes to ``path`` in the cache, read them; (written, read, seconds)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            wrote, _, _ = self.write_file(fd, io, share, (deadline + time.monotonic()) / 2)
+        finally:
+            os.close(fd)
+        try:
+            got, secs, _ = self.read_file(path, io, self.direct_ok, deadline)
+        except OSError as exc:  # the cache's filesystem may refuse O_DIRECT where PATH did not
+            if not self.direct_ok or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            got, secs, _ = self.read_file(path, io, False, deadline)
+        return wrote, got, secs
 
 
 def _list_osts(probe: lustre.FsProbe, path: str) -> list[int] | None:
@@ -691,8 +718,9 @@ def _notes(r: dict[str, Any], extra: list[str], capped: bool) -> list[str]:
     notes = [("sequential writes are timed through fsync, so the page cache cannot absorb them; "
               "every 4 KiB block written is unique random data (no compression or dedup gains)"),
              ("page-cache reads (mode page_cache) follow fsync + POSIX_FADV_DONTNEED on the file, "
-              "so they measure the device plus kernel read-ahead; a network filesystem client may "
-              "keep pages anyway, which would show as read MB/s far above write MB/s")]
+              "so they measure the device plus kernel read-ahead (random reads: read-ahead off, "
+              "each read's pages dropped after it); a network filesystem client may keep pages "
+              "anyway, which would show as read MB/s far above write MB/s")]
     if r["config"]["direct_used"]:
         notes.append("random reads and streams used O_DIRECT: no page cache involved")
     notes.append("latencies are timed around each os.preadv/os.open call from Python, which adds "
