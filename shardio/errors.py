@@ -41,6 +41,7 @@ involved and say what to change.
     │   │                                        could not be set (or was ignored)
     │   └── LayoutNotAppliedError                Lustre kept another layout than the one asked for
     ├── StagingError                             the node-local cache cannot be used as configured
+    │   └── CacheNotWritableError (PermissionError) another user's or a read-only cache
     ├── ParityError                              parity files are missing, corrupt or cannot rebuild
     ├── ShmSpaceError (OSError)                  /dev/shm or the memory cgroup cannot hold the rings
     ├── SharedFieldError (OSError)               a zero_copy batch's shared memory cannot be mapped
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 __all__ = [
     "BrokenSymlinkError",
+    "CacheNotWritableError",
     "ChecksumMismatchError",
     "DatasetChangedError",
     "DecodeError",
@@ -281,6 +283,16 @@ class StagingError(ShardioError):
     which a reader meets by reading without staging rather than failing."""
 
     full = False
+
+
+class CacheNotWritableError(StagingError, PermissionError):
+    """This process may not write the node-local cache directory it was given, or this
+    dataset's ``shardio-<digest>`` directory in it (created by another user, such as root in a
+    job prolog, or a read-only mount).  ``cache_dir="auto"`` falls back to a per-user directory
+    instead of raising; a ``cache_dir`` named explicitly raises it.  ``path`` is the directory
+    (or file) that may not be written."""
+
+    path = ""
 
 
 class ParityError(ShardioError):

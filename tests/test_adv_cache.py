@@ -1,0 +1,154 @@
+"""The node-local cache and its neighbours under conditions that come up on shared clusters: a
+cache directory another user made, parity rebuilds next to the stager's copies, and a pack part
+run twice at once.  Real files, real processes, real privilege drops; every child process has a
+deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardio.errors import CacheNotWritableError, StagingError
+from shardio.manifest import Manifest
+from shardio.stage import NodeCache
+from tests.conftest import pack_bin_dataset
+
+pytestmark = pytest.mark.timeout(60)
+
+_UID = 65534  # nobody
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="drops privileges to another user")
+
+
+# --- a node cache another user made ------------------------------------------------------------
+
+_CACHE_CHILD = r"""
+import json, logging, os, sys
+# Imported as root: the interpreter's and the venv's files need not be readable by nobody.
+import numpy  # noqa: F401
+import shardio.cli, shardio.order, shardio.stage, shardio.formats.tar  # noqa: F401
+from shardio.errors import CacheNotWritableError
+from shardio.manifest import Manifest
+from shardio.stage import NodeCache, StageOptions
+
+root, cache_dir = sys.argv[1:3]
+STAGE = ["stage", root, "--cache", "auto", "--reserve", "0", "--world-size", "1",
+         "--ranks-per-node", "1"]
+shardio.cli._parser(with_bench=False).parse_args(STAGE)  # (argparse's lazy imports)
+os.setgroups([])
+os.setgid(%(uid)d)
+os.setuid(%(uid)d)
+warnings = []
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+
+
+logging.getLogger("shardio").addHandler(Keep())
+manifest = Manifest.load(root)
+res = {}
+for name, where in (("auto", "auto"), ("explicit", cache_dir)):
+    try:
+        cache = NodeCache.from_options(root, manifest, StageOptions(cache_dir=where, reserve=0))
+        res[name] = {"cache": None if cache is None else cache.dir}
+    except CacheNotWritableError as exc:
+        res[name] = {"error": type(exc).__name__, "message": str(exc), "path": exc.path,
+                     "permission": isinstance(exc, PermissionError)}
+# What a job prolog run as the user does (and ShardDataset(cache_dir="auto") before reading).
+res["stage"] = shardio.cli.main(STAGE)
+res["warnings"] = warnings
+print(json.dumps(res))
+""" % {"uid": _UID}
+
+
+def _as_nobody(root: Path, cache_dir: Path) -> dict:
+    env = dict(os.environ, SHARDIO_CACHE_DIR=str(cache_dir))
+    r = subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(root), str(cache_dir)],
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _bin_dataset(base: Path) -> Path:
+    root = pack_bin_dataset(base, 12, lambda i: bytes([i]) * 300, classes=2, samples_per_shard=4)
+    for d, _, files in os.walk(base):
+        os.chmod(d, 0o755)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o644)
+    return root
+
+
+@needs_root
+def test_auto_cache_falls_back_to_a_per_user_directory_when_root_made_the_shared_one(
+        world_tmp: Path) -> None:
+    """A root prolog made this dataset's cache (``<dir>/shardio-<digest>``, mode 0755) in a
+    shared node directory: a user job's ShardDataset(cache_dir="auto") (which calls NodeCache.from_options) raised StagingError "not
+    writable" instead of staging elsewhere or reading directly; an explicit cache_dir must still
+    raise, with a typed error naming the fix."""
+    root = _bin_dataset(world_tmp)
+    node = world_tmp / "node"
+    node.mkdir()
+    os.chmod(node, 0o1777)  # like /tmp or a world-writable /local/scratch
+    NodeCache(node, root, Manifest.load(root)).close()  # as root
+    shared = next(node.glob("shardio-*"))
+    res = _as_nobody(root, node)
+    own = node / f"shardio-user-{_UID}" / shared.name
+    assert res["auto"]["cache"] == str(own)
+    assert any("not writable" in w and f"shardio-user-{_UID}" in w for w in res["warnings"])
+    assert res["stage"] == 0  # and the per-user cache works: every shard staged there
+    assert sorted(os.listdir(own / "data")) == sorted(
+        n for n in os.listdir(root) if n.startswith("shard-")) and os.listdir(
+        shared / "data") == []
+    assert os.stat(own).st_uid == _UID and (os.stat(own.parent).st_mode & 0o777) == 0o700
+    explicit = res["explicit"]
+    assert explicit["error"] == "CacheNotWritableError" and explicit["permission"]
+    assert explicit["path"] == str(shared)
+    assert "not writable" in explicit["message"] and "cache_dir" in explicit["message"]
+    assert issubclass(CacheNotWritableError, StagingError)
+
+
+@needs_root
+def test_auto_cache_reads_directly_when_neither_shared_nor_own_directory_is_writable(
+        world_tmp: Path) -> None:
+    """The shared dataset cache is root's and the per-user name is taken by another user (a
+    squatter in a shared /tmp): "auto" reads directly with a warning, never uses the other
+    user's directory."""
+    root = _bin_dataset(world_tmp)
+    node = world_tmp / "node"
+    node.mkdir()
+    os.chmod(node, 0o1777)
+    NodeCache(node, root, Manifest.load(root)).close()
+    squat = node / f"shardio-user-{_UID}"
+    squat.mkdir(mode=0o777)
+    os.chmod(squat, 0o777)  # writable by nobody, but not nobody's
+    res = _as_nobody(root, node)
+    assert res["auto"] == {"cache": None}
+    assert any("reading without staging" in w for w in res["warnings"])
+    assert res["stage"] == 2  # (no usable cache: the CLI says so)
+    assert os.listdir(squat) == []
+
+
+@needs_root
+def test_auto_cache_falls_back_when_only_the_node_file_is_another_users(world_tmp: Path) -> None:
+    """The directories are writable but the node file is root's 0644: the open of the node file
+    failed with a plain StagingError, which "auto" did not fall back from."""
+    root = _bin_dataset(world_tmp)
+    node = world_tmp / "node"
+    node.mkdir()
+    os.chmod(node, 0o1777)
+    NodeCache(node, root, Manifest.load(root)).close()
+    shared = next(node.glob("shardio-*"))
+    for d in (shared, shared / ".progress", shared / "data"):
+        os.chmod(d, 0o777)
+    res = _as_nobody(root, node)
+    assert res["auto"]["cache"] == str(node / f"shardio-user-{_UID}" / shared.name)
+    assert res["explicit"]["error"] == "CacheNotWritableError"
+    assert res["explicit"]["path"] == str(shared / ".node")
