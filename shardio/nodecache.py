@@ -10,6 +10,9 @@ Files under ``<cache_dir>/shardio-<first 16 hex of the manifest digest>/``::
                     a second ShardDataset over the same data: each reader keeps its own)
     .journal        JSON lines, one per stager action (only with ``StageOptions(journal=True)``)
     data/<path>     published copies: shard and ``.idx`` at the manifest's relative paths
+    rebuilt/<path>  shards (and ``.idx``) the repair ladder rebuilt from parity
+                    (:mod:`shardio.repair`): never the stager's, which neither evicts nor
+                    cleans them (a shard path ``data/...`` must not land among its copies)
 
 Node file (little-endian; written by the stager except where noted)::
 
@@ -324,6 +327,7 @@ class NodeCache:
         self.dir = os.path.join(self.cache_dir, f"shardio-{digest[:16]}")
         self.data_dir = os.path.join(self.dir, "data")
         self.progress_dir = os.path.join(self.dir, ".progress")
+        self.rebuilt_dir = os.path.join(self.dir, "rebuilt")
         if not os.path.isdir(self.cache_dir):
             raise StagingError(f"cache_dir {self.cache_dir} does not exist; create it or pass "
                                "another node-local directory (StageOptions(cache_dir=...), "

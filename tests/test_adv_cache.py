@@ -152,3 +152,75 @@ def test_auto_cache_falls_back_when_only_the_node_file_is_another_users(world_tm
     assert res["auto"]["cache"] == str(node / f"shardio-user-{_UID}" / shared.name)
     assert res["explicit"]["error"] == "CacheNotWritableError"
     assert res["explicit"]["path"] == str(shared / ".node")
+
+
+# --- parity rebuilds in the node cache ---------------------------------------------------------
+
+
+def _two_level_dataset(base: Path) -> Manifest:
+    """Six shards with parity 3+1: ``shard-00000N.tar`` (keys A...) and, below, a
+    ``data/shard-00000N.tar`` of other samples (keys B...): manifest paths that mirror the
+    cache's own ``data/`` tree."""
+    import shardio
+    from shardio.parity import write_parity
+
+    root = base / "ds"
+    (root / "data").mkdir(parents=True)
+    for tag, where in (("A", root), ("B", root / "data")):
+        src = base / f"src{tag}"
+        for i in range(8):
+            (src / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            (src / f"c{i % 2}" / f"{tag}{i:03d}.bin").write_bytes(bytes([i]) * (200 + i))
+        shardio.pack(src, base / f"p{tag}", samples_per_shard=4, fsync=False, progress=False)
+        for t in sorted((base / f"p{tag}").glob("*.tar")):
+            (where / t.name).write_bytes(t.read_bytes())
+    tars = sorted(root.glob("*.tar")) + sorted((root / "data").glob("*.tar"))
+    manifest = shardio.index_tars(tars, root=root)
+    manifest.parity = write_parity(str(root), manifest, 2, 1, fsync=False)
+    manifest.save(str(root))
+    return Manifest.load(root)
+
+
+def test_a_parity_rebuild_never_lands_among_the_stagers_copies(tmp_path: Path) -> None:
+    """Shards rebuilt from parity went to ``<cache dir>/<shard path>``: the rebuild of shard
+    ``data/shard-000000.tar`` replaced the stager's published copy of shard ``shard-000000.tar``
+    (``<cache dir>/data/shard-000000.tar``) with other bytes and index, so the next read of that
+    shard found its copy corrupt, discarded it (the rebuild with it) and the two chased each
+    other; a stager starting meanwhile deleted the rebuild's temp file as its own."""
+    from shardio.checksum import file_digest
+    from shardio.reader import DatasetReader
+    from shardio.stage import StageOptions, Stager
+    from tests.test_stage import schedule
+    from tools.faults import corrupt_dataset
+
+    m = _two_level_dataset(tmp_path)
+    root = tmp_path / "ds"
+    bad = next(i for i, s in enumerate(m.shards) if s.path == "data/shard-000000.tar")
+    twin = next(i for i, s in enumerate(m.shards) if s.path == "shard-000000.tar")
+    (tmp_path / "cache").mkdir()
+    cache = NodeCache(tmp_path / "cache", root, m)
+    options = StageOptions(cache_dir=str(tmp_path / "cache"), reserve=0)
+    Stager(cache, schedule(m), options).stage([0])
+    corrupt_dataset(str(root), [bad], "flip", seed=1)
+    cache.discard(bad, "test")  # (its copy gone: the ladder goes to the original, then parity)
+    try:
+        with DatasetReader(root, cache=cache) as r:
+            keys = [s["__key__"] for s in r]
+            rebuilt = r.ladder._rebuilt_path(bad)
+            assert r.counters.get("parity_rebuilt") == 1
+        assert len(keys) == len(set(keys)) == sum(s.samples for s in m.shards) == 16
+        copy = cache.lookup(twin, wait=0)
+        assert copy is not None and file_digest(copy)[0] == m.shards[twin].digest
+        assert not rebuilt.startswith(cache.data_dir + os.sep)
+        assert rebuilt.startswith(cache.rebuilt_dir + os.sep)
+        # Read again: the stager's copy and the rebuilt copy both serve, nothing is discarded.
+        with DatasetReader(root, cache=cache) as r:
+            assert [s["__key__"] for s in r] == keys
+            assert not r.counters.get("cache_discarded") and not r.counters.get("parity_rebuilt")
+        # A stager starting cleans its own temp files only, never a rebuild's in progress.
+        tmp = Path(os.path.dirname(rebuilt)) / ".shard-000000.tar.shardio-tmp-999999"
+        tmp.write_bytes(b"rebuild in progress")
+        Stager(cache, schedule(m), options).stage([0])
+        assert tmp.exists()
+    finally:
+        cache.close()
