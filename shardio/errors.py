@@ -25,6 +25,7 @@ involved and say what to change.
     │   ├── ManifestCorruptError
     │   ├── ManifestVersionError                 written by a newer shardio
     │   └── UnsafePathError                      a shard path escapes the dataset directory
+    ├── PartInProgressError (BlockingIOError)    another run of this pack part writes to OUT now
     ├── DatasetChangedError                      the dataset was packed again in place under a
     │                                            live reader; make a new reader/dataset
     ├── ShardNotFoundError (FileNotFoundError)
@@ -84,6 +85,7 @@ __all__ = [
     "OutputInsideSourceError",
     "OutputNotEmptyError",
     "ParityError",
+    "PartInProgressError",
     "RingClosedError",
     "RingCorruptError",
     "RingError",
@@ -187,6 +189,15 @@ class ManifestVersionError(ManifestError):
 
 class UnsafePathError(ManifestError):
     """A path in the manifest is absolute or leaves the dataset directory."""
+
+
+class PartInProgressError(ShardioError, BlockingIOError):
+    """Another run of the same part of a multi-node pack (``--part I/N``) is writing to OUT now,
+    such as a requeued job while the first one still runs: two runs of one part delete each
+    other's files.  ``pid`` and ``host`` name that run when known (``0`` / ``""`` otherwise)."""
+
+    pid = 0
+    host = ""
 
 
 class DatasetChangedError(ShardioError):

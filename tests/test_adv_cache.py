@@ -224,3 +224,91 @@ def test_a_parity_rebuild_never_lands_among_the_stagers_copies(tmp_path: Path) -
         assert tmp.exists()
     finally:
         cache.close()
+
+
+# --- two runs of one pack part at once ---------------------------------------------------------
+
+
+def _part_source(base: Path) -> Path:
+    src = base / "src"
+    for i in range(16):
+        (src / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        (src / f"c{i % 2}" / f"s{i:03d}.bin").write_bytes(bytes([i]) * (300 + i))
+    return src
+
+
+_PART_KW = dict(samples_per_shard=4, fsync=False, progress=False)
+_PART_CHILD = ("import sys, shardio; shardio.pack(sys.argv[1], sys.argv[2], part=(0, 2), "
+               "samples_per_shard=4, fsync=False, progress=False)")
+
+
+def _start_part_0(src: Path, out: Path, latency: float) -> subprocess.Popen[str]:
+    """``pack(part=(0, 2))`` in a child process whose every source read takes ``latency``
+    seconds (shardio._inject), so that it is still running when the test acts."""
+    env = dict(os.environ, SHARDIO_SLOW_READS=f"{src}:1GB:{latency}")
+    return subprocess.Popen([sys.executable, "-c", _PART_CHILD, str(src), str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} never appeared: {proc.communicate(timeout=10)}")
+        time.sleep(0.01)
+
+
+def test_a_second_run_of_the_same_part_fails_fast_and_other_parts_still_run(
+        tmp_path: Path) -> None:
+    """``shardio pack --part 0/2`` started again while the first run still ran (a requeued job):
+    the later run's start deleted the earlier run's temp files and the earlier one died with
+    "ShardIOError ... publishing shard ...: No such file or directory".  Now the second run
+    fails at once with PartInProgressError naming the first's pid; part 1 still runs beside it,
+    and the merge is whole."""
+    import shardio
+    from shardio.errors import PartInProgressError
+
+    src, out = _part_source(tmp_path), tmp_path / "out"
+    first = _start_part_0(src, out, 0.15)
+    try:
+        _wait_for(out / ".shardio-pack-0000-of-0002.json", first)  # (its scan is over)
+        with pytest.raises(PartInProgressError, match=r"another run of part 0/2 .*\(pid") as ei:
+            shardio.pack(src, out, part=(0, 2), **_PART_KW)
+        assert ei.value.pid == first.pid and isinstance(ei.value, BlockingIOError)
+        assert first.poll() is None  # (it was still running: the check meant something)
+        other = shardio.pack(src, out, part=(1, 2), **_PART_KW)
+        assert other.part == 1 and not other.merged
+        assert first.wait(timeout=30) == 0, first.communicate(timeout=10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.communicate(timeout=10)
+    assert not [n for n in os.listdir(out) if n.endswith(".lock")]
+    manifest = shardio.merge(out)
+    assert manifest.num_samples == 16
+    shardio.pack(src, tmp_path / "single", **_PART_KW)
+    assert (out / "manifest.json").read_bytes() == (tmp_path / "single" / "manifest.json"
+                                                    ).read_bytes()
+
+
+def test_a_lock_left_by_a_killed_part_run_never_blocks(tmp_path: Path) -> None:
+    """A run of a part killed (SIGKILL: no cleanup) leaves its lock file; the kernel released
+    the lock with the process, so the rerun goes ahead, and removes the file at its end."""
+    import shardio
+
+    src, out = _part_source(tmp_path), tmp_path / "out"
+    first = _start_part_0(src, out, 0.15)
+    try:
+        _wait_for(out / ".shardio-pack-0000-of-0002.json", first)
+    finally:
+        first.kill()
+        first.communicate(timeout=10)
+    lock = out / ".shardio-part-0000-of-0002.lock"
+    assert lock.exists() and lock.read_text().split()[0] == str(first.pid)
+    result = shardio.pack(src, out, part=(0, 2), **_PART_KW)
+    assert result.part == 0 and not lock.exists()
+    shardio.pack(src, out, part=(1, 2), **_PART_KW)
+    assert shardio.merge(out).num_samples == 16
