@@ -42,8 +42,8 @@ STAGE = ["stage", root, "--cache", "auto", "--reserve", "0", "--world-size", "1"
          "--ranks-per-node", "1"]
 shardio.cli._parser(with_bench=False).parse_args(STAGE)  # (argparse's lazy imports)
 os.setgroups([])
-os.setgid(%(uid)d)
-os.setuid(%(uid)d)
+os.setgid(UID)
+os.setuid(UID)
 warnings = []
 
 
@@ -66,13 +66,13 @@ for name, where in (("auto", "auto"), ("explicit", cache_dir)):
 res["stage"] = shardio.cli.main(STAGE)
 res["warnings"] = warnings
 print(json.dumps(res))
-""" % {"uid": _UID}
+""".replace("UID", str(_UID))
 
 
 def _as_nobody(root: Path, cache_dir: Path) -> dict:
     env = dict(os.environ, SHARDIO_CACHE_DIR=str(cache_dir))
     r = subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(root), str(cache_dir)],
-                       env=env, capture_output=True, text=True, timeout=30)
+                       env=env, capture_output=True, text=True, timeout=30, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -237,7 +237,7 @@ def _part_source(base: Path) -> Path:
     return src
 
 
-_PART_KW = dict(samples_per_shard=4, fsync=False, progress=False)
+_PART_KW = {"samples_per_shard": 4, "fsync": False, "progress": False}
 _PART_CHILD = ("import sys, shardio; shardio.pack(sys.argv[1], sys.argv[2], part=(0, 2), "
                "samples_per_shard=4, fsync=False, progress=False)")
 
