@@ -554,6 +554,8 @@ def pack(
         SourceError: bad input files or an oversize sample (unless ``on_error="skip"``), empty
             source.
         StorageFullError: the output filesystem filled up; nothing was published.
+        PartInProgressError: (``options.part``) another run of the same part is writing to
+            ``out`` now.
     """
     # The scan builds ~10^5 long-lived objects and the pack frees none in reference cycles: the
     # cyclic collector would only traverse them again and again (~5% of a warm pack).
