@@ -351,7 +351,7 @@ def _cmd_stage(a: argparse.Namespace) -> int:
     manifest = Manifest.load(a.dataset)
     cache = NodeCache.from_options(a.dataset, manifest, options)
     if cache is None:
-        print("shardio stage: --cache auto found no node-local directory; set "
+        print("shardio stage: --cache auto found no usable node-local directory; set "
               "$SHARDIO_CACHE_DIR or pass --cache DIR", file=sys.stderr)
         return 2
     counts = np.array([s.samples for s in manifest.shards], dtype=np.int64)

@@ -407,7 +407,8 @@ class ShardDataset(IterableDataset[dict[str, Any]]):
             log.warning("node cache: %s; reading without staging", exc)
             return None
         if cache is None:
-            log.warning("cache_dir='auto' found no node-local directory; reading without staging")
+            log.warning("cache_dir='auto' found no usable node-local directory; reading without "
+                        "staging")
         return cache
 
     def schedule(self, epoch: int, batch_size: int | None = None) -> NodeSchedule:

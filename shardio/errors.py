@@ -25,6 +25,7 @@ involved and say what to change.
     │   ├── ManifestCorruptError
     │   ├── ManifestVersionError                 written by a newer shardio
     │   └── UnsafePathError                      a shard path escapes the dataset directory
+    ├── PartInProgressError (BlockingIOError)    another run of this pack part writes to OUT now
     ├── DatasetChangedError                      the dataset was packed again in place under a
     │                                            live reader; make a new reader/dataset
     ├── ShardNotFoundError (FileNotFoundError)
@@ -41,6 +42,7 @@ involved and say what to change.
     │   │                                        could not be set (or was ignored)
     │   └── LayoutNotAppliedError                Lustre kept another layout than the one asked for
     ├── StagingError                             the node-local cache cannot be used as configured
+    │   └── CacheNotWritableError (PermissionError) another user's or a read-only cache
     ├── ParityError                              parity files are missing, corrupt or cannot rebuild
     ├── ShmSpaceError (OSError)                  /dev/shm or the memory cgroup cannot hold the rings
     ├── SharedFieldError (OSError)               a zero_copy batch's shared memory cannot be mapped
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 __all__ = [
     "BrokenSymlinkError",
+    "CacheNotWritableError",
     "ChecksumMismatchError",
     "DatasetChangedError",
     "DecodeError",
@@ -82,6 +85,7 @@ __all__ = [
     "OutputInsideSourceError",
     "OutputNotEmptyError",
     "ParityError",
+    "PartInProgressError",
     "RingClosedError",
     "RingCorruptError",
     "RingError",
@@ -185,6 +189,15 @@ class ManifestVersionError(ManifestError):
 
 class UnsafePathError(ManifestError):
     """A path in the manifest is absolute or leaves the dataset directory."""
+
+
+class PartInProgressError(ShardioError, BlockingIOError):
+    """Another run of the same part of a multi-node pack (``--part I/N``) is writing to OUT now,
+    such as a requeued job while the first one still runs: two runs of one part delete each
+    other's files.  ``pid`` and ``host`` name that run when known (``0`` / ``""`` otherwise)."""
+
+    pid = 0
+    host = ""
 
 
 class DatasetChangedError(ShardioError):
@@ -320,6 +333,16 @@ class StagingError(ShardioError):
     which a reader meets by reading without staging rather than failing."""
 
     full = False
+
+
+class CacheNotWritableError(StagingError, PermissionError):
+    """This process may not write the node-local cache directory it was given, or this
+    dataset's ``shardio-<digest>`` directory in it (created by another user, such as root in a
+    job prolog, or a read-only mount).  ``cache_dir="auto"`` falls back to a per-user directory
+    instead of raising; a ``cache_dir`` named explicitly raises it.  ``path`` is the directory
+    (or file) that may not be written."""
+
+    path = ""
 
 
 class ParityError(ShardioError):

@@ -10,6 +10,9 @@ Files under ``<cache_dir>/shardio-<first 16 hex of the manifest digest>/``::
                     a second ShardDataset over the same data: each reader keeps its own)
     .journal        JSON lines, one per stager action (only with ``StageOptions(journal=True)``)
     data/<path>     published copies: shard and ``.idx`` at the manifest's relative paths
+    rebuilt/<path>  shards (and ``.idx``) the repair ladder rebuilt from parity
+                    (:mod:`shardio.repair`): never the stager's, which neither evicts nor
+                    cleans them (a shard path ``data/...`` must not land among its copies)
 
 Node file (little-endian; written by the stager except where noted)::
 
@@ -66,6 +69,7 @@ import json
 import logging
 import mmap
 import os
+import stat
 import struct
 import time
 from collections.abc import Mapping, Sequence
@@ -82,7 +86,7 @@ from ._atomics import load_u64 as _load_u64
 from ._atomics import store_u32 as _store_u32
 from ._atomics import store_u64 as _store_u64
 from ._fsutil import TMP_MARK, parse_size, resolve_in, tmp_name
-from .errors import StagingError, UsageError
+from .errors import CacheNotWritableError, StagingError, UsageError
 from .manifest import Manifest
 from .stageplan import INF, _split, time_key
 
@@ -114,6 +118,8 @@ _OFF_REMOVALS = _OFF_COUNTERS + 8 * len(_SLOT)  # see the node file layout (not 
 _OFF_LEFT = _OFF_REMOVALS + 8  # see the node file layout
 _WAKE_ALL = 1 << 30
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+_RW = os.W_OK | os.X_OK
 
 
 class ShardState(IntEnum):
@@ -264,6 +270,40 @@ def _staging_error(exc: OSError, path: str, what: str) -> StagingError:
     return err
 
 
+def _not_writable(path: str) -> CacheNotWritableError:
+    try:
+        st = os.stat(path)
+        whose = f" (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
+    except OSError:
+        whose = ""
+    err = CacheNotWritableError(
+        f"node cache {path}{whose} is not writable by this user (uid {os.getuid()}): pass a "
+        "cache directory of your own (StageOptions(cache_dir=...), ShardDataset(cache_dir=...) "
+        "or $SHARDIO_CACHE_DIR), have its owner remove it (it is a cache), or pass "
+        "cache_dir='auto', which falls back to a per-user directory")
+    err.path = path
+    return err
+
+
+def _user_dir(parent: str) -> str:
+    """``<parent>/shardio-user-<uid>``, created private to this user; refused when it is
+    anything but a directory this user owns (another user may create the name first in a
+    shared ``/tmp``)."""
+    path = os.path.join(parent, f"shardio-user-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        if exc.errno in _DENIED:
+            raise _not_writable(parent) from exc
+        raise _staging_error(exc, path, "create the per-user node cache") from exc
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise _not_writable(path)
+    return path
+
+
 class NodeCache:
     """The node-local cache of one dataset, as every process on the node uses it.
 
@@ -274,7 +314,9 @@ class NodeCache:
         wait: default seconds :meth:`lookup` waits for a copy in progress (0: never wait).
 
     Raises:
-        StagingError: ``cache_dir`` is missing, not writable or full.
+        StagingError: ``cache_dir`` is missing or full.
+        CacheNotWritableError: ``cache_dir``, or this dataset's directory in it, may not be
+            written by this user (another user's, or read-only).
     """
 
     def __init__(self, cache_dir: str | os.PathLike[str], root: str | os.PathLike[str],
@@ -285,6 +327,7 @@ class NodeCache:
         self.dir = os.path.join(self.cache_dir, f"shardio-{digest[:16]}")
         self.data_dir = os.path.join(self.dir, "data")
         self.progress_dir = os.path.join(self.dir, ".progress")
+        self.rebuilt_dir = os.path.join(self.dir, "rebuilt")
         if not os.path.isdir(self.cache_dir):
             raise StagingError(f"cache_dir {self.cache_dir} does not exist; create it or pass "
                                "another node-local directory (StageOptions(cache_dir=...), "
@@ -293,10 +336,17 @@ class NodeCache:
             os.makedirs(self.progress_dir, exist_ok=True)
             os.makedirs(self.data_dir, exist_ok=True)
         except OSError as exc:
+            if exc.errno in _DENIED:
+                raise _not_writable(self.dir if os.path.isdir(self.dir)
+                                    else self.cache_dir) from exc
             raise _staging_error(exc, self.dir, "create the node cache") from exc
-        if not os.access(self.dir, os.W_OK | os.X_OK):
-            raise StagingError(f"node cache {self.dir} is not writable; pass another cache_dir "
-                               "(StageOptions(cache_dir=...) or $SHARDIO_CACHE_DIR)")
+        # (Each one: another user's stager or prolog may have made any of them.)
+        for d in (self.dir, self.progress_dir, self.data_dir):
+            if not os.access(d, _RW):
+                raise _not_writable(d)
+        lock = os.path.join(self.dir, ".stager.lock")
+        if os.path.exists(lock) and not os.access(lock, os.W_OK):
+            raise _not_writable(lock)
         self.n = len(manifest.shards)
         self._mm = self._open_node()
         self._paths: list[str | None] = [None] * self.n
@@ -312,11 +362,32 @@ class NodeCache:
                      options: StageOptions, env: Mapping[str, str] | None = None,
                      ) -> NodeCache | None:
         """The node cache ``options`` ask for, or ``None`` (no ``cache_dir``, or ``"auto"``
-        found no local directory)."""
+        found no usable local directory).
+
+        With ``"auto"``, a dataset cache this user may not write (another user's, such as
+        one a root prolog made) is not an error: the cache moves to this user's own
+        ``shardio-user-<uid>`` directory beside it, and failing that, to no staging (a warning
+        says which).  A ``cache_dir`` named explicitly raises :class:`CacheNotWritableError`.
+        """
         where = options.cache_dir
-        if where == "auto":
-            where = find_cache_dir(env)
-        return None if where is None else cls(where, root, manifest)
+        if where != "auto":
+            return None if where is None else cls(where, root, manifest)
+        where = find_cache_dir(env)
+        if where is None:
+            return None
+        try:
+            return cls(where, root, manifest)
+        except CacheNotWritableError as exc:
+            shared = exc
+        try:
+            cache = cls(_user_dir(where), root, manifest)
+        except CacheNotWritableError as exc:
+            log.warning("cache_dir='auto': node caches %s and %s are not writable by this "
+                        "user; reading without staging", shared.path, exc.path)
+            return None
+        log.warning("cache_dir='auto': node cache %s is not writable by this user; using this "
+                    "user's own cache %s instead", shared.path, cache.dir)
+        return cache
 
     # --- the node file -----------------------------------------------------------------------
     def _open_node(self) -> mmap.mmap:
@@ -329,6 +400,8 @@ class NodeCache:
                 self._create_node(path, size)
                 continue
             except OSError as exc:
+                if exc.errno in _DENIED:
+                    raise _not_writable(path) from exc
                 raise _staging_error(exc, path, "open") from exc
             try:
                 if os.fstat(fd).st_size < size:

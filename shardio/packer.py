@@ -554,6 +554,8 @@ def pack(
         SourceError: bad input files or an oversize sample (unless ``on_error="skip"``), empty
             source.
         StorageFullError: the output filesystem filled up; nothing was published.
+        PartInProgressError: (``options.part``) another run of the same part is writing to
+            ``out`` now.
     """
     # The scan builds ~10^5 long-lived objects and the pack frees none in reference cycles: the
     # cyclic collector would only traverse them again and again (~5% of a warm pack).
@@ -577,6 +579,19 @@ def _pack(src: str | os.PathLike[str], out: str | os.PathLike[str], options: Pac
     flist = os.fspath(files_from) if files_from is not None else None
     _check_paths(src, out, flist)
     part = _parts._resolve_part(options.part)
+    if part is None:
+        return _pack_resolved(src, out, options, flist, None, progress)
+    # Before the scan: a second run of this part fails at once (PartInProgressError).
+    _make_out(out)
+    with _parts._part_lock(out, part):
+        return _pack_resolved(src, out, options, flist, part, progress)
+
+
+def _pack_resolved(src: str, out: str, options: PackOptions, flist: str | None,
+                   part: tuple[int, int] | None, progress: bool | None
+                   ) -> Manifest | PartResult:
+    """:func:`pack` once its arguments are checked and the part resolved (under the part's
+    lock for a part)."""
     if part is None and flist is None and not options.zstd_dict and not options.resume \
             and _empty(out):
         return _pack_streaming(src, out, options, progress)

@@ -53,6 +53,8 @@ log = logging.getLogger("shardio.pack")
 STATE_NAME = ".shardio-pack.json"
 # Part records and per-part state files of a multi-node pack (shardio.parts).
 _PART_FILE = re.compile(r"\.shardio-(part|pack)-(\d+)-of-(\d+)\.json")
+# The lock a run of one part holds while it runs (shardio.parts._part_lock).
+_PART_LOCK = re.compile(r"\.shardio-part-(\d+)-of-(\d+)\.lock")
 DICT_NAME = "zstd.dict"
 _DIGEST_XATTR = "user.shardio.digest"  # an HDF5 shard's "<algorithm>:<digest>:<bytes>"
 
@@ -79,7 +81,8 @@ def _shard_number(name: str, prefix: str) -> int | None:
 
 def _ours(name: str, prefix: str) -> bool:
     return (name in (MANIFEST_NAME, STATE_NAME, DICT_NAME) or TMP_MARK in name
-            or _PART_FILE.fullmatch(name) is not None or _shard_number(name, prefix) is not None)
+            or _PART_FILE.fullmatch(name) is not None or _PART_LOCK.fullmatch(name) is not None
+            or _shard_number(name, prefix) is not None)
 
 
 def _remove_parity(out: str) -> None:

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import socket
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ from .errors import (
     ManifestNotFoundError,
     ManifestVersionError,
     OutputNotEmptyError,
+    PartInProgressError,
     ShardCorruptError,
     ShardioError,
     ShardNotFoundError,
@@ -62,6 +64,7 @@ from .packer import _codec, _make_tasks, _progress_bar, _publish, _write_shards
 from .packplan import _TAR_END, _canonical
 from .packstate import (
     _PART_FILE,
+    _PART_LOCK,
     DICT_NAME,
     STATE_NAME,
     _ours,
@@ -161,6 +164,85 @@ def _record_name(part: int, parts: int) -> str:
 
 def _part_state_name(part: int, parts: int) -> str:
     return f".shardio-pack-{part:04d}-of-{parts:04d}.json"
+
+
+def _part_lock_name(part: int, parts: int) -> str:
+    return f".shardio-part-{part:04d}-of-{parts:04d}.lock"
+
+
+@contextmanager
+def _part_lock(out: str, part: tuple[int, int]) -> Iterator[None]:
+    """Hold part ``I/N``'s lock in OUT for a run of that part (taken before the scan, so a
+    second run fails at once).  Two runs of one part (a requeued job while the first still
+    runs) deleted each other's temp files: the first died publishing a shard (ENOENT).
+
+    An exclusive, non-blocking ``flock`` on ``.shardio-part-IIII-of-NNNN.lock`` (the pid and
+    host of the holder inside, for the message): a second run raises
+    :class:`PartInProgressError`; the kernel releases the lock of a run that dies, so a killed
+    run never blocks the next.  The holder removes the file when it ends (still holding the
+    lock, and a run that locked a removed file checks and takes the new one).  Where the
+    filesystem refuses flock (NFS, Lustre mounted without it) runs are not serialised, as
+    before, like :func:`merge`'s."""
+    index, parts = part
+    path = os.path.join(out, _part_lock_name(index, parts))
+    fd = _take_part_lock(out, index, parts, path)
+    if fd < 0:
+        yield  # (no flock here: not serialised)
+        return
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    except OSError:
+        pass  # (the pid is for the message only)
+    try:
+        yield
+    finally:
+        _unlink_quiet(path)
+        os.close(fd)
+
+
+def _take_part_lock(out: str, index: int, parts: int, path: str) -> int:
+    """The descriptor holding the lock file ``path`` locked, or -1 where flock is refused."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise translate_oserror(exc, path, "creating the part lock") from exc
+        try:
+            if fcntl is None:
+                raise OSError("no flock")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 256, 0).decode(errors="replace").split()
+            except OSError:
+                holder = []
+            os.close(fd)
+            raise _part_in_progress(out, index, parts, holder) from None
+        except OSError:
+            os.close(fd)  # (the file stays: merge removes it)
+            return -1
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # removed (or replaced) by the run that held it before us: take the new one
+
+
+def _part_in_progress(out: str, index: int, parts: int, holder: list[str]
+                      ) -> PartInProgressError:
+    pid = int(holder[0]) if holder and holder[0].isdigit() else 0
+    host = holder[1] if len(holder) > 1 else ""
+    who = (f"pid {pid}" + (f" on {host}" if host else "")) if pid else "pid unknown"
+    err = PartInProgressError(
+        f"another run of part {index}/{parts} is in progress in OUT {out} ({who}); two runs of "
+        "one part delete each other's files: wait for that run to finish, or stop it (scancel "
+        "its job, kill its process), then rerun this command (a run that died holds no lock)"
+    )
+    err.pid, err.host = pid, host
+    return err
 
 
 def _pack_part(jb: _Job, part: tuple[int, int], progress: bool | None) -> PartResult:
@@ -267,8 +349,8 @@ def _prepare_part_out(jb: _Job, index: int, parts: int, first: int, stop: int
                     claims.add(str(doc["dictionary_digest"]))
             else:
                 foreign.append(name)
-        elif TMP_MARK in name:
-            continue
+        elif TMP_MARK in name or _PART_LOCK.fullmatch(name) is not None:
+            continue  # (a part's lock: see _part_lock)
         elif sm is not None and (int(sm[1]) >= len(jb.ranges) or sm[2] not in ours_ext):
             foreign.append(name)  # beyond this job's plan: no part of it will ever replace it
         elif sm is not None or name in (DICT_NAME, "parity"):
@@ -622,8 +704,9 @@ def _merge(out: str, verify: bool) -> Manifest:
 
 
 def _remove_part_files(out: str) -> None:
-    """Delete every part record and part state file, and temp files, once merged."""
+    """Delete every part record, part state file and part lock left by a killed run, and temp
+    files, once merged."""
     for name in os.listdir(out):
-        if _PART_FILE.fullmatch(name):
+        if _PART_FILE.fullmatch(name) or _PART_LOCK.fullmatch(name):
             _unlink_quiet(os.path.join(out, name))
     remove_temp_files(out)

@@ -155,7 +155,7 @@ class CopyLadder:
     Args:
         root: dataset directory.
         manifest: its manifest.
-        cache: a node cache (``lookup(i)``, ``discard(i, reason)``), or ``None``.
+        cache: a node cache (``lookup(i)``, ``discard(i, reason)``, ``rebuilt_dir``), or ``None``.
         replicas: dataset directories holding byte-identical copies of the shards.
         quarantine: allow moving a bad original aside and replacing it with a good copy.
         on_corrupt: ``"raise"`` or ``"skip"`` once every copy failed.
@@ -359,11 +359,14 @@ class CopyLadder:
         return resolve_in(self._rebuilt_base(), self.entry(i).path)
 
     def _rebuilt_base(self) -> str:
-        """The node cache, else ``<dataset>/.shardio-rebuilt``, else (a read-only dataset
-        directory, as shared datasets usually are) a per-user directory under the system's
-        temp directory, named after the dataset's path."""
+        """The node cache's ``rebuilt`` directory, else ``<dataset>/.shardio-rebuilt``, else (a
+        read-only dataset directory, as shared datasets usually are) a per-user directory under
+        the system's temp directory, named after the dataset's path."""
         if self.cache is not None:
-            return str(self.cache.dir)
+            # (Not the cache directory itself: a shard path "data/x.tar" landed among the
+            # stager's copies, replacing its copy of shard "x.tar", and a starting stager
+            # deleted the temp file of a rebuild in progress.)
+            return str(self.cache.rebuilt_dir)
         if self._rebuilt_dir is None:
             base = os.path.join(self.root, REBUILT_DIR)
             if not os.access(base if os.path.isdir(base) else self.root, os.W_OK):
