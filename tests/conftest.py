@@ -142,14 +142,12 @@ def truncate(path: str | os.PathLike[str], size: int) -> None:
     os.truncate(path, size)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 2 MiB tmpfs (a full disk, or a small /dev/shm as in containers), mounted for the
-    test and always unmounted after it; skipped where mounting is not permitted."""
-    mnt = tmp_path / "mnt"
+def mounted_tmpfs(mnt: Path, options: str) -> Iterator[Path]:
+    """Mount a real tmpfs with ``options`` (``size=2m``, ...) on the new directory ``mnt`` for
+    the test, always unmounted after it; skipped where mounting is not permitted."""
     mnt.mkdir()
     try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
                               capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         pytest.skip(f"cannot mount a tmpfs: {exc}")
@@ -160,6 +158,13 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB tmpfs (a full disk, or a small /dev/shm as in containers), mounted for the
+    test and always unmounted after it; skipped where mounting is not permitted."""
+    yield from mounted_tmpfs(tmp_path / "mnt", "size=2m")
 
 
 @pytest.fixture

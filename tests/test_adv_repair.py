@@ -11,19 +11,8 @@ import shardio
 from shardio import Manifest, PackOptions, pack
 from shardio.errors import UnrepairableError
 from shardio.reader import DatasetReader
+from tests.test_repair import data  # noqa: F401  (the fixture)
 from tools.faults import corrupt_dataset, flip_bits
-
-
-@pytest.fixture
-def data(image_tree: Path, tmp_path: Path) -> tuple[Path, Path, list[tuple[str, bytes]]]:
-    """A packed dataset (7 tar shards), a byte-identical replica, and its clean sample list."""
-    root = tmp_path / "ds"
-    pack(image_tree, root, PackOptions(samples_per_shard=9, label_from_dir=True, fsync=False))
-    replica = tmp_path / "replica"
-    shutil.copytree(root, replica)
-    with DatasetReader(root) as r:
-        clean = [(s["__key__"], s["jpg"]) for s in r]
-    return root, replica, clean
 
 
 def flip_sample(root: Path, shard: int, sample: int) -> None:

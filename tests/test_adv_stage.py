@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import shardio
 from shardio.manifest import Manifest
 from shardio.stage import NodeCache, StageOptions, Stager
 from shardio.topology import Topology
-from tests.conftest import flip_bit
+from tests.conftest import flip_bit, mounted_tmpfs
 from tests.test_stage import FAST, copy_ok, schedule, sizes_of, wait_until
 from tools.make_dataset import make_images
 
@@ -264,22 +263,7 @@ def test_an_index_file_missing_for_a_while_is_staged_once_back(
 def few_inodes_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real tmpfs of 2 MiB and 64 inodes, unmounted after the test; skipped where mounting is
     not permitted."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,nr_inodes=64", "tmpfs",
-                               str(mnt)], check=False, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs: {exc}")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], check=False, capture_output=True,
-                          timeout=30).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True,
-                           timeout=30)
+    yield from mounted_tmpfs(tmp_path / "mnt", "size=2m,nr_inodes=64")
 
 
 def test_a_cache_filesystem_full_when_staging_starts_reads_directly(

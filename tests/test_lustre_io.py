@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,17 +85,24 @@ def test_layout_options_are_validated() -> None:
     PackOptions(stripe_count=-1, stripe_size="1MiB", stripe_pool="flash")
 
 
-def test_reader_uses_stripe_multiples_and_spreads_over_osts(
-        image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def striped_dataset(image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                    stripe: int, ost_of: Callable[[int], int]) -> tuple[Path, Manifest]:
+    """A dataset packed under a faked Lustre mount, shard ``i`` one stripe of ``stripe`` bytes
+    on OST ``ost_of(i)``."""
     root = tmp_path / "lustre" / "ds"
     pack(image_tree, root, PackOptions(samples_per_shard=6, fsync=False))
     probe = fake_lustre(monkeypatch, tmp_path / "lustre")
     m = Manifest.load(root)
-    # Shards 0-9: OSTs 0,0,0,1,1,1,2,2,2,3 (stripe 3 MiB -> reads in 6 MiB, >= 4 MiB minimum).
     for i, entry in enumerate(m.shards):
-        real = os.path.realpath(root / entry.path)
-        probe.xattrs[real] = {"lustre.lov": pack_lmm(LOV_MAGIC_V1, 3 << 20, 1, oi=(i + 1, 1),
-                                                     offset=0, osts=[i // 3])}
+        probe.xattrs[os.path.realpath(root / entry.path)] = {"lustre.lov": pack_lmm(
+            LOV_MAGIC_V1, stripe, 1, oi=(i + 1, 1), offset=0, osts=[ost_of(i)])}
+    return root, m
+
+
+def test_reader_uses_stripe_multiples_and_spreads_over_osts(
+        image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Shards 0-9: OSTs 0,0,0,1,1,1,2,2,2,3 (stripe 3 MiB -> reads in 6 MiB, >= 4 MiB minimum).
+    root, m = striped_dataset(image_tree, tmp_path, monkeypatch, 3 << 20, lambda i: i // 3)
     r = DatasetReader(root)
     assert r.on_lustre
     assert r.read_block % (3 << 20) == 0 and r.read_block >= 4 << 20
@@ -107,13 +115,7 @@ def test_reader_uses_stripe_multiples_and_spreads_over_osts(
 def test_reader_bounds_its_reads_on_huge_stripes(
         image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 2 GiB stripe made every coalesced read (and each worker's read buffer) 2 GiB."""
-    root = tmp_path / "lustre" / "ds"
-    pack(image_tree, root, PackOptions(samples_per_shard=6, fsync=False))
-    probe = fake_lustre(monkeypatch, tmp_path / "lustre")
-    m = Manifest.load(root)
-    for i, entry in enumerate(m.shards):
-        probe.xattrs[os.path.realpath(root / entry.path)] = {
-            "lustre.lov": pack_lmm(LOV_MAGIC_V1, 2 << 30, 1, oi=(i + 1, 1), offset=0, osts=[0])}
+    root, m = striped_dataset(image_tree, tmp_path, monkeypatch, 2 << 30, lambda i: 0)
     with DatasetReader(root) as r:
         assert r.on_lustre
         assert r.read_block == 64 << 20  # a divisor of the stripe: reads never cross one
