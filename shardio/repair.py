@@ -326,8 +326,10 @@ class CopyLadder:
         try:
             if not self._rebuilt_good(i, dest):
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
-                for stale in (dest, dest + ".idx"):
-                    _unlink_missing_ok(stale)
+                # No stale copy is removed first: the rebuild replaces ``dest`` atomically, and a
+                # stale ``.idx`` is refused and made again (_ensure_index).  (Removing them
+                # opened a window where another process that had just published its rebuild
+                # found it missing, and gave the shard up.)
                 rebuild_shard(self.root, self.manifest, i, dest, bad=self._bad_originals())
                 self.counters.add("parity_rebuilt")
                 log.warning("shard %s rebuilt from parity into %s", self.entry(i).path, dest)
@@ -374,13 +376,6 @@ class CopyLadder:
                 base = os.path.join(tempfile.gettempdir(), f"shardio-rebuilt-{os.getuid()}", tag)
             self._rebuilt_dir = base
         return self._rebuilt_dir
-
-
-def _unlink_missing_ok(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _ensure_index(ladder: CopyLadder, i: int, shard_path: str) -> None:
