@@ -49,31 +49,33 @@ def measure(path: str, workers: int, *, batch_size: int, steps: int, step_time: 
     ds = ShardDataset(path, decode=decode, batch_size=batch_size, seed=seed, **kw)
     t0 = time.perf_counter()
     epoch, done, samples, compute = 0, 0, 0, 0.0
-    with ShardLoader(ds, batch_size=batch_size, num_workers=workers,
-                     **(loader_options or {})) as loader:
-        loader.set_epoch(epoch)
-        it = iter(loader)
-        next(it)
-        first = time.perf_counter() - t0
-        before = loader.stats()
-        t1 = time.perf_counter()
-        while done < steps:
-            try:
-                batch = next(it)
-            except StopIteration:  # a small dataset: go on with the next epoch
-                epoch += 1
-                loader.set_epoch(epoch)
-                it = iter(loader)
-                continue
-            got = time.perf_counter()
-            samples += _batch_len(batch)
-            del batch
-            time.sleep(step_time)
-            compute += time.perf_counter() - got
-            done += 1
-        wall = time.perf_counter() - t1
-        result = _delta(loader.stats(), before, compute)
-        if ds._stager is not None:
+    try:
+        with ShardLoader(ds, batch_size=batch_size, num_workers=workers,
+                         **(loader_options or {})) as loader:
+            loader.set_epoch(epoch)
+            it = iter(loader)
+            next(it)
+            first = time.perf_counter() - t0
+            before = loader.stats()
+            t1 = time.perf_counter()
+            while done < steps:
+                try:
+                    batch = next(it)
+                except StopIteration:  # a small dataset: go on with the next epoch
+                    epoch += 1
+                    loader.set_epoch(epoch)
+                    it = iter(loader)
+                    continue
+                got = time.perf_counter()
+                samples += _batch_len(batch)
+                del batch
+                time.sleep(step_time)
+                compute += time.perf_counter() - got
+                done += 1
+            wall = time.perf_counter() - t1
+            result = _delta(loader.stats(), before, compute)
+    finally:
+        if ds._stager is not None:  # (on every way out: an error must not leave it copying)
             ds._stager.stop()
     result.update(workers=workers, first_batch_s=first, samples_per_s=samples / wall,
                   seconds=wall)

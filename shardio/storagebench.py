@@ -448,7 +448,14 @@ class _Bench:
         import numpy as np
 
         direct = self.direct_ok
-        fds = [self.open_read(p, direct) for p, _ in files]
+        fds: list[int] = []
+        try:
+            for p, _ in files:
+                fds.append(self.open_read(p, direct))
+        except BaseException:
+            for fd in fds:  # (the files opened before the one that failed)
+                os.close(fd)
+            raise
         if not direct:
             # Without O_DIRECT, a read must not find its pages cached: no read-ahead around
             # each read, and each read's pages dropped after it (untimed).  Dropping whole files

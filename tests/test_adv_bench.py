@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -299,3 +300,18 @@ def test_loader_bench_steps_must_be_an_integer(ds: Path, steps: object) -> None:
 
     with pytest.raises(UsageError, match="--steps"):
         run_loader_bench(str(ds), workers=[1], steps=steps, step_time=0, batch_size=4)
+
+
+def test_random_reads_close_the_files_opened_before_one_that_fails(tmp_path: Path) -> None:
+    """A test file that cannot be opened (removed by a cleaner, say) left the descriptors of
+    the ones opened before it behind."""
+    from shardio.storagebench import _Bench
+
+    b = _Bench(str(tmp_path), 1 << 20, [4096], [1], False, 4096, None)
+    good = tmp_path / "a"
+    good.write_bytes(b"x" * 8192)
+    fds = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileNotFoundError):
+        b.random_run([(str(good), 8192), (str(tmp_path / "gone"), 8192)], 4096, 1,
+                     time.monotonic() + 1)
+    assert set(os.listdir("/proc/self/fd")) <= fds
