@@ -25,7 +25,8 @@ its removal armed, and removed in a ``finally`` with SIGINT/SIGTERM blocked whil
 SIGTERM is turned into KeyboardInterrupt while the bench runs.  Bytes written never exceed the
 budget, which is capped at half the free space (statvfs) before anything is written.
 ENOSPC/EDQUOT (a quota statvfs does not see, another writer) stops the run with
-``"error": "disk full ..."``.
+``"error": "disk full ..."``, except while the metadata phase creates its empty files: running
+out of inodes there ends that phase's creates with a note, and the run goes on.
 
 The result is a JSON-ready dict (sections above plus ``fs``, ``config``, ``recommendations``,
 ``notes``, ``bytes_written``, ``elapsed_s``, ``error``); :func:`format_report` renders it as text.
@@ -521,7 +522,20 @@ class _Bench:
             clock = time.perf_counter_ns
             for p in names:
                 t0 = clock()
-                op(p)
+                try:
+                    op(p)
+                except OSError as exc:
+                    if name != "create" or exc.errno not in _FULL:
+                        raise
+                    # Out of inodes where statvfs did not say so (a quota, a filesystem that
+                    # reports no inode count, another writer): the files made so far are
+                    # measured, the run goes on.  (Before, the whole run ended as "disk full
+                    # ... pass a smaller --budget", its metadata figures lost.)
+                    self.notes.append(
+                        f"metadata: creating files stopped after {len(lat)} ({exc.strerror}: an "
+                        f"inode quota or a full inode table under {self.path}); the metadata "
+                        "figures are for those files")
+                    break
                 lat.append(clock() - t0)
                 if self.stop.is_set() or time.monotonic() >= end:
                     break

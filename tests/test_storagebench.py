@@ -224,6 +224,44 @@ def test_disk_filling_up_mid_run_is_reported(tmpfs_16m: Path,
     assert sorted(p.name for p in tmpfs_16m.iterdir()) == ["other-job"]
 
 
+def test_inodes_running_out_while_files_are_created_keeps_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Another job takes the free inodes after the bench sized its metadata phase by statvfs
+    (as a quota statvfs does not see would): the creates meet a real ENOSPC, the metadata
+    figures cover the files made, a note says why, and the run goes on (it ended as "disk full
+    ... pass a smaller --budget", exit 1, the metadata figures lost)."""
+    mnt = mount(tmp_path / "few", "tmpfs", "size=16m,nr_inodes=400")
+    try:
+        taken = []
+
+        def take_inodes(phase: str, message: str) -> None:
+            if phase != "metadata" or taken:
+                return
+            for i in range(100_000):
+                try:
+                    (mnt / f"other-{i}").touch()
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC
+                    break
+            taken.append(i)
+            for p in sorted(mnt.glob("other-*"))[:5]:  # a few left for the bench
+                p.unlink()
+
+        rc = cli(str(mnt), *TINY, "--json", progress=take_inodes)
+        cap = capsys.readouterr()
+        assert taken and rc == 0, cap.err
+        r = json.loads(cap.out)
+        assert r["error"] is None
+        meta = r["metadata"]
+        assert 1 <= meta["files"] <= 5 and meta["stopped_early"]
+        assert meta["create_per_s"] > 0 and meta["unlink_per_s"] > 0
+        assert any("creating files stopped after" in n for n in r["notes"]), r["notes"]
+        assert r["streams"], "the phases after the metadata one still ran"
+        assert not [p for p in mnt.iterdir() if not p.name.startswith("other-")]
+    finally:
+        umount(mnt)
+
+
 def test_o_direct_refused_is_noted(ramfs: Path) -> None:
     r = sb.run_storage_bench(ramfs, **{**TINY_KW, "time_limit_s": 1})
     assert r["error"] is None and r["config"]["direct_used"] is False
