@@ -456,6 +456,9 @@ def _sticky_interrupt() -> Iterator[list[bool]]:
         sys.unraisablehook = hook
 
 
+_RESUMABLE = frozenset({"pack", "merge", "stage"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (tests call ``main([...])``)."""
     from .errors import ShardioError, UsageError
@@ -475,6 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardio {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"shardio {args.command}: interrupted; rerun the same command to resume",
-              file=sys.stderr)
+        # Only these pick up where an interrupted run stopped; the others start over.
+        resume = "; rerun the same command to resume" if args.command in _RESUMABLE else ""
+        print(f"shardio {args.command}: interrupted{resume}", file=sys.stderr)
         return 130

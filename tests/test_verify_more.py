@@ -776,3 +776,27 @@ def test_tar_structure_of_packed_names_that_need_pax_headers(cli: CLI, tmp_path:
     damaged = long_key[:10] + chr(ord(long_key[10]) ^ 1) + long_key[11:] + ".txt"
     assert lines[1] == (f"{entry.path}: damaged tar header (name) key={long_key!r} field='txt' "
                         f"offset={header} expected={name!r} found={damaged!r}")
+
+
+@pytest.mark.parametrize("command,resumable", [("verify", False), ("inspect", False),
+                                               ("merge", True)])
+def test_ctrl_c_says_resume_only_for_commands_that_resume(
+        command: str, resumable: bool, tmp_path: Path, cli: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupted verify starts over when rerun: "rerun the same command to resume" was
+    printed for every command."""
+    import signal
+
+    from shardio import cli as cli_mod
+
+    real = cli_mod._COMMANDS[command]
+
+    def interrupted(args: Any) -> int:
+        os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, as the command starts
+        return real(args)
+
+    monkeypatch.setitem(cli_mod._COMMANDS, command, interrupted)
+    rc, _, err = cli(command, tmp_path)
+    assert rc == 130 and "Traceback" not in err
+    assert err.strip().endswith(f"shardio {command}: interrupted"
+                                + ("; rerun the same command to resume" if resumable else ""))
