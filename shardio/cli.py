@@ -323,7 +323,7 @@ def _cmd_stage(a: argparse.Namespace) -> int:
     from .errors import UsageError
     from .manifest import Manifest
     from .order import EpochOrder, NodeAffineOrder, node_schedule
-    from .stage import NodeCache, Stager, StageOptions
+    from .stage import NodeCache, StageOptions, Stager
     from .topology import Topology
 
     epochs = _epochs(a.epochs)
