@@ -194,6 +194,8 @@ log = logging.getLogger("shardio.pool")
 # How often a spilling worker whose ring is full looks whether main now wants its step.
 _SPILL_SLICE = 0.01
 
+_CLOSED_MESSAGE = "the worker pool is closed; create a new loader"
+
 # Ring directories this process has swept for files of dead creators (once each).
 _SWEPT: set[str] = set()
 
@@ -812,6 +814,8 @@ class WorkerPool:
         self._started = self._ctx.RawArray("q", [0] * options.num_workers)
         self._workers: list[_Worker] = []
         self._closed = False
+        # The thread inside close(), from its start (None: none); see run().
+        self._closing: int | None = None
         # Workers a close(wait=False) did not wait for (see *Closing without waiting*).
         self.exiting: list[Any] = []
         self.restarts = 0
@@ -923,7 +927,7 @@ class WorkerPool:
             ShmSpaceError: rings sized from the first batch do not fit (the pool is closed).
         """
         if self._closed:
-            raise WorkerError("the worker pool is closed; create a new loader")
+            raise WorkerError(_CLOSED_MESSAGE)
         self._gen.value += 1
         generation = self._gen.value
         W = len(self._workers)
@@ -946,7 +950,16 @@ class WorkerPool:
                 self._restart(w, generation, spec, todo)  # its end is gone: it is dying
         for k, step in enumerate(steps):
             w, todo = self._workers[k % W], todos[k % W]
-            ring, msg = self._next(w, generation, spec, todo)
+            try:
+                ring, msg = self._next(w, generation, spec, todo)
+            except Exception as exc:
+                closer = self._closing
+                if closer is None or closer == threading.get_ident() or (
+                        isinstance(exc, WorkerError) and exc.args == (_CLOSED_MESSAGE,)):
+                    raise
+                # close() from another thread pulled the rings and pipes from under the wait
+                # (a RingClosedError, or worse, a half-torn-down ring): say what happened.
+                raise WorkerError(_CLOSED_MESSAGE) from exc
             todo.pop()
             yield step, ring, msg
 
@@ -1104,8 +1117,8 @@ class WorkerPool:
         raise exc
 
     def _check_current(self, generation: int) -> None:
-        if self._closed:
-            raise WorkerError("the worker pool is closed; create a new loader")
+        if self._closed or self._closing is not None:
+            raise WorkerError(_CLOSED_MESSAGE)
         if self._gen.value != generation:
             # Its batches are dropped as stale and the workers have moved on: it would wait
             # forever (and discard the newer iterator's batches while at it).
@@ -1189,6 +1202,7 @@ class WorkerPool:
         a later ``close()``, or the pool's collection, does."""
         if self._closed:
             return
+        self._closing = threading.get_ident()
         self._gen.value += 1
         try:
             self._stop_workers(wait)

@@ -1,0 +1,87 @@
+"""Adversarial checks of the worker pool, its rings and how ShardLoader drives them.
+
+Every test has a deadline (pytest-timeout, and bounded joins/waits inside): none may hang.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from shardio import ShardDataset, ShardLoader
+from shardio.errors import WorkerError
+from tests.test_dataset import pack_text
+from tests.test_loader import wait_gone
+
+pytestmark = pytest.mark.timeout(60)
+
+SHM = Path("/dev/shm")
+
+
+def our_rings() -> set[str]:
+    pat = re.compile(rf"shardio-{os.getpid()}-[0-9a-f]{{16}}")
+    return {n for n in os.listdir(SHM) if pat.fullmatch(n)}
+
+
+def live_children() -> list[int]:
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers() -> Iterator[None]:
+    """No ring file in /dev/shm and no live worker process survives a test."""
+    rings, procs = our_rings(), set(live_children())
+    yield
+    assert our_rings() - rings == set(), "shared memory left behind in /dev/shm"
+    assert wait_gone([p for p in live_children() if p not in procs], 5.0) == [], \
+        "worker processes left alive"
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 samples (txt + cls, raw) in 8 shards."""
+    return pack_text(tmp_path_factory.mktemp("text"), 40, 5)
+
+
+def _slow(sample: Any) -> Any:
+    time.sleep(0.5)
+    return sample
+
+
+def test_close_from_another_thread_ends_a_waiting_iteration_with_a_typed_error(
+        text: Path) -> None:
+    """close() from another thread while the loop waits for a batch: the wait ends with the
+    pool's WorkerError ("the worker pool is closed"), not the ring's RingClosedError saying
+    the producer finished, nor a TypeError from a ring torn down under the read."""
+    ds = ShardDataset(text, transform=_slow)
+    loader = ShardLoader(ds, batch_size=2, num_workers=2, ring_bytes=1 << 20,
+                         poll_interval=0.05)
+    try:
+        it = iter(loader)
+        next(it)
+        closer = threading.Thread(target=lambda: (time.sleep(0.2), loader.close()))
+        closer.start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="worker pool is closed"):
+            for _ in it:
+                pass
+        assert time.monotonic() - t0 < 10
+        closer.join(20)
+        assert not closer.is_alive()
+    finally:
+        loader.close()
