@@ -369,6 +369,25 @@ IMAGE_MODES = frozenset({"1", "L", "P", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "
 MIN_RING_BYTES = 128  # the smallest ring (shardio.ring takes it from here)
 
 
+def _cpu_numbers(cpus: object) -> tuple[int, ...]:
+    """``LoaderOptions.cpus`` as a tuple of CPU numbers (integers >= 0, or their digits)."""
+    fix = "pass a list of CPU numbers (integers >= 0, e.g. cpus=[2, 3]) or cpus='auto'"
+    try:
+        items = list(cpus)  # type: ignore[call-overload]
+    except TypeError:
+        raise UsageError(f"cpus must be a list of CPU numbers, got {cpus!r}; {fix}") from None
+    out = []
+    for c in items:
+        if isinstance(c, str) and c.strip().isdigit():
+            c = int(c)
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0:
+            raise UsageError(f"cpus: {c!r} is not a CPU number; {fix}")
+        out.append(int(c))
+    if not out:
+        raise UsageError(f"cpus must name at least one CPU; {fix}")
+    return tuple(out)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoaderOptions:
     """Worker-pool and shared-memory settings of :class:`~shardio.ShardLoader`.
@@ -440,9 +459,7 @@ class LoaderOptions:
         elif isinstance(self.cpus, str):
             raise UsageError(f"cpus must be a list of CPU numbers or 'auto', got {self.cpus!r}")
         elif self.cpus is not None:
-            object.__setattr__(self, "cpus", tuple(int(c) for c in self.cpus))
-            if not self.cpus:
-                raise UsageError("cpus must name at least one CPU")
+            object.__setattr__(self, "cpus", _cpu_numbers(self.cpus))
         if (isinstance(self.prefetch_factor, bool) or not isinstance(self.prefetch_factor, int)
                 or self.prefetch_factor < 1):
             raise UsageError(f"prefetch_factor must be an integer >= 1, got "

@@ -186,6 +186,7 @@ from .errors import (
     WorkerTimeoutError,
 )
 from .ring import DEFAULT_SHM_DIR, Message, Ring, check_shm_space, sweep_stale
+from .topology import check_cpus
 
 __all__ = ["BatchJob", "Cmd", "PoolOptions", "Sent", "SpilledMessage", "WorkerPool"]
 
@@ -829,6 +830,7 @@ class WorkerPool:
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         o = self.options
+        check_cpus(o.cpus)  # (a worker could not pin itself: found here, not in each worker)
         reap_exiting()  # (workers of pools closed without waiting: see *Closing without waiting*)
         _sweep_once(o.shm_dir)
         sized = not callable(o.ring_bytes)

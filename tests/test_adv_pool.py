@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from shardio import ShardDataset, ShardLoader
-from shardio.errors import WorkerError
+from shardio.errors import UsageError, WorkerError
+from shardio.topology import pinnable_cpus
 from tests.test_dataset import pack_text
 from tests.test_loader import wait_gone
 
@@ -85,3 +86,44 @@ def test_close_from_another_thread_ends_a_waiting_iteration_with_a_typed_error(
         assert not closer.is_alive()
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("cpus", [["a"], [-1], 5, [True], [0.5], []])
+def test_cpus_that_are_not_cpu_numbers_are_refused_at_construction(text: Path, cpus: Any) -> None:
+    """Before: ["a"] was a ValueError, 5 a TypeError, [True] and [0.5] pinned to CPU 1 and 0
+    silently, and [-1] made every worker die in sched_setaffinity until WorkerCrashedError
+    blamed out-of-memory kills."""
+    with pytest.raises(UsageError, match="cpus"):
+        ShardLoader(ShardDataset(text), batch_size=4, num_workers=1, cpus=cpus)
+
+
+def test_a_cpu_this_process_cannot_use_is_refused_before_any_worker(text: Path) -> None:
+    """Before: each worker logged 'cannot pin' and ran unpinned; now the first iteration says
+    which CPUs there are, and starts nothing."""
+    missing = max(pinnable_cpus() or {0}) + 1000
+    loader = ShardLoader(ShardDataset(text), batch_size=4, num_workers=1, cpus=[missing])
+    before = set(live_children())
+    with pytest.raises(UsageError, match=f"CPU {missing} is not available"):
+        next(iter(loader))
+    assert set(live_children()) - before == set()
+    loader.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_workers_may_be_pinned_outside_mains_own_affinity(text: Path) -> None:
+    """A training process pinned to one core may still put its workers on the others of its
+    cpuset: the check does not confuse main's affinity mask with the CPUs there are."""
+    mine = os.sched_getaffinity(0)
+    first, other = sorted(mine)[:2]
+    os.sched_setaffinity(0, {first})
+    try:
+        with ShardLoader(ShardDataset(text), batch_size=4, num_workers=1,
+                         cpus=[other]) as loader:
+            it = iter(loader)
+            next(it)
+            pid = loader._pool.pids()[0]  # type: ignore[union-attr]
+            assert os.sched_getaffinity(pid) == {other}
+            for _ in it:
+                pass
+    finally:
+        os.sched_setaffinity(0, mine)
