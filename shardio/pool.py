@@ -108,7 +108,10 @@ Failure handling
     for ring space (the signal fires when the forking *thread* exits, so a worker forked by any
     other thread, say one that iterates each epoch in the background, must not have it).  A
     worker closes the inherited main ends of every pipe, so that closing the pool (main's ends)
-    unblocks a worker stuck on one.
+    unblocks a worker stuck on one.  A copy of the pool in another process forked from main
+    (one that drops its copy of a loader, or whose interpreter exits) closes only that
+    process's descriptors when it is closed: the workers, rings and generation counter stay
+    main's (``ShardLoader`` starts new workers for a child that iterates its copy).
 
 Stuck start
     On CPython without the fix for python/cpython#112275 (before 3.12 and 3.11.10), a
@@ -815,6 +818,7 @@ class WorkerPool:
         self._started = self._ctx.RawArray("q", [0] * options.num_workers)
         self._workers: list[_Worker] = []
         self._closed = False
+        self.owner = os.getpid()  # a forked child's copy of the pool is not its to close
         # The thread inside close(), from its start (None: none); see run().
         self._closing: int | None = None
         # Workers a close(wait=False) did not wait for (see *Closing without waiting*).
@@ -1204,6 +1208,9 @@ class WorkerPool:
         a later ``close()``, or the pool's collection, does."""
         if self._closed:
             return
+        if os.getpid() != self.owner:
+            self._let_go()
+            return
         self._closing = threading.get_ident()
         self._gen.value += 1
         try:
@@ -1223,6 +1230,24 @@ class WorkerPool:
             if w.ring is not None:
                 w.ring.unlink()
         self._closed = True
+
+    def _let_go(self) -> None:
+        """close() in a process forked from the owner (its copy of a loader dropped, or its
+        interpreter exiting): the workers, rings and generation counter are the owner's, still
+        in use there.  Only this process's copies of the descriptors are closed; nothing is
+        posted, nothing shared is marked closed, no worker is stopped or waited for."""
+        self._closed = True
+        for w in self._workers:
+            if w.ctl is not None:
+                os.close(w.ctl)
+                w.ctl = None
+            if w.data is not None:
+                w.data.close()
+            if w.ring is not None:
+                w.ring.close_fd()
+            w.early.clear()
+            w.outbox.clear()
+            w.ring_frame = None
 
     def _stop_workers(self, wait: bool = True) -> None:
         for w in self._workers:
@@ -1270,6 +1295,8 @@ def _finish(proc: Any, deadline: float) -> None:
 # start*).  multiprocessing reaps those that exited whenever a process starts; reap_exiting
 # enforces the deadlines.
 _EXITING: list[tuple[Any, float]] = []
+# A forked child did not start them: not its to wait for (nor can it).
+os.register_at_fork(after_in_child=_EXITING.clear)
 
 
 def still_exiting(proc: Any) -> bool:

@@ -5,10 +5,13 @@ Every test has a deadline (pytest-timeout, and bounded joins/waits inside): none
 
 from __future__ import annotations
 
+import gc
 import os
 import re
+import signal
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -127,3 +130,84 @@ def test_workers_may_be_pinned_outside_mains_own_affinity(text: Path) -> None:
                 pass
     finally:
         os.sched_setaffinity(0, mine)
+
+
+def _forked(body: Any, timeout: float = 30.0) -> int:
+    """Run ``body()`` in a raw ``os.fork()`` child that ends with ``os._exit`` (its return
+    value, 1 on an exception, or 3 on a timeout); the child is killed at the deadline."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(int(timeout))
+            code = int(body())
+        except BaseException:  # noqa: BLE001 - reported through the exit code
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout + 5
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return 3
+
+
+def test_a_forked_child_dropping_its_copy_of_the_loader_leaves_the_parents_workers_alone(
+        text: Path) -> None:
+    """A process forked while a loader runs (a fork that writes a checkpoint in the
+    background, say) that drops its copy of the loader: before, its close() (from __del__)
+    posted STOP to the parent's workers, marked the parent's rings closed and bumped the
+    shared generation counter, so the parent's workers exited and its iteration ended with
+    'this iterator was superseded by a newer iter(loader)'."""
+    ds = ShardDataset(text)
+    ref = [b["__key__"] for b in ShardLoader(ds, batch_size=2, num_workers=0)]
+    loader = ShardLoader(ds, batch_size=2, num_workers=2, ring_bytes=1 << 20,
+                         poll_interval=0.05)
+    try:
+        it = iter(loader)
+        got = [next(it)["__key__"]]
+        pids = loader._pool.pids()  # type: ignore[union-attr]
+
+        def drop() -> int:
+            nonlocal loader, it
+            del it, loader  # the child's copies: collected, so closed, here
+            gc.collect()
+            return 0
+
+        assert _forked(drop) == 0
+        got += [b["__key__"] for b in it]
+        assert got == ref
+        assert loader._pool.pids() == pids  # type: ignore[union-attr]
+        assert loader.stats()["restarts"] == 0
+    finally:
+        loader.close()
+
+
+def test_a_forked_child_iterating_its_copy_of_the_loader_starts_its_own_workers(
+        text: Path) -> None:
+    """Before, the child's iteration drove the parent's workers (and they, its rings)."""
+    ds = ShardDataset(text)
+    ref = [b["__key__"] for b in ShardLoader(ds, batch_size=2, num_workers=0)]
+    loader = ShardLoader(ds, batch_size=2, num_workers=2, ring_bytes=1 << 20,
+                         poll_interval=0.05)
+    try:
+        it = iter(loader)
+        got = [next(it)["__key__"]]
+        parent_workers = set(loader._pool.pids())  # type: ignore[union-attr]
+
+        def iterate() -> int:
+            keys = [b["__key__"] for b in ShardLoader.__iter__(loader)]
+            mine = set(loader._pool.pids())  # type: ignore[union-attr]
+            loader.close()
+            return 0 if keys == ref and not mine & parent_workers else 2
+
+        assert _forked(iterate) == 0
+        got += [b["__key__"] for b in it]
+        assert got == ref
+        assert loader.stats()["restarts"] == 0
+    finally:
+        loader.close()
