@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from shardio import ShardDataset, ShardLoader
+from shardio.config import LoaderOptions
 from shardio.errors import UsageError, WorkerError
 from shardio.topology import pinnable_cpus
 from tests.test_dataset import pack_text
@@ -211,3 +212,16 @@ def test_a_forked_child_iterating_its_copy_of_the_loader_starts_its_own_workers(
         assert loader.stats()["restarts"] == 0
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("max_restarts", "3"), ("max_restarts", 2.5), ("max_restarts", True),
+    ("poll_interval", "0.1"), ("poll_interval", float("nan")), ("poll_interval", float("inf")),
+    ("start_timeout", "x"), ("max_held_fraction", "0.5"),
+])
+def test_pool_options_of_the_wrong_kind_are_a_usage_error(option: str, value: Any) -> None:
+    """Before: strings were a bare TypeError from a comparison, 2.5 and True restarts were
+    taken, and poll_interval=nan or inf was refused only once an iteration had started its
+    workers (nan a UsageError from the ring, inf a bare ValueError from futex_wait)."""
+    with pytest.raises(UsageError, match=option):
+        LoaderOptions(**{option: value})
