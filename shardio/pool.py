@@ -821,6 +821,7 @@ class WorkerPool:
         self.owner = os.getpid()  # a forked child's copy of the pool is not its to close
         # The thread inside close(), from its start (None: none); see run().
         self._closing: int | None = None
+        self._failing = False  # closed by run() itself, to raise its own error
         # Workers a close(wait=False) did not wait for (see *Closing without waiting*).
         self.exiting: list[Any] = []
         self.restarts = 0
@@ -870,6 +871,7 @@ class WorkerPool:
                 w.ring_frame = _frame((Cmd.RING, w.ring.capacity, directory))
                 self._post(w, w.ring_frame)
         except BaseException:
+            self._failing = True
             self.close()
             raise
 
@@ -959,12 +961,12 @@ class WorkerPool:
             try:
                 ring, msg = self._next(w, generation, spec, todo)
             except Exception as exc:
-                closer = self._closing
-                if closer is None or closer == threading.get_ident() or (
+                if self._closing is None or self._failing or (
                         isinstance(exc, WorkerError) and exc.args == (_CLOSED_MESSAGE,)):
                     raise
-                # close() from another thread pulled the rings and pipes from under the wait
-                # (a RingClosedError, or worse, a half-torn-down ring): say what happened.
+                # close() from another thread, or from a signal handler, pulled the rings and
+                # pipes from under the wait (a RingClosedError, or worse, a half-torn-down
+                # ring): say what happened.
                 raise WorkerError(_CLOSED_MESSAGE) from exc
             todo.pop()
             yield step, ring, msg
@@ -1119,6 +1121,7 @@ class WorkerPool:
         """A worker could not allocate its ring (see *Ring sizing*): close, raise its error."""
         exc, _tb = read_error(msg.view)
         self._discard(ring, msg)
+        self._failing = True
         self.close()
         raise exc
 

@@ -225,3 +225,24 @@ def test_pool_options_of_the_wrong_kind_are_a_usage_error(option: str, value: An
     workers (nan a UsageError from the ring, inf a bare ValueError from futex_wait)."""
     with pytest.raises(UsageError, match=option):
         LoaderOptions(**{option: value})
+
+
+def test_close_from_a_signal_handler_ends_a_waiting_iteration_with_a_typed_error(
+        text: Path) -> None:
+    """The same from a signal handler (a SIGTERM handler that cleans up), which runs in the
+    waiting thread itself: before, RingClosedError saying the producer had finished."""
+    ds = ShardDataset(text, transform=_slow)
+    loader = ShardLoader(ds, batch_size=2, num_workers=2, ring_bytes=1 << 20,
+                         poll_interval=0.05)
+    old = signal.signal(signal.SIGALRM, lambda *_: loader.close())
+    try:
+        it = iter(loader)
+        next(it)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(WorkerError, match="worker pool is closed"):
+            for _ in it:
+                pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        loader.close()
