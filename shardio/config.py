@@ -379,6 +379,30 @@ IMAGE_MODES = frozenset({"1", "L", "P", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "
 MIN_RING_BYTES = 128  # the smallest ring (shardio.ring takes it from here)
 
 
+def _is_real(value: object) -> bool:
+    """A plain number (not a bool, not a string)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
+def _cpu_numbers(cpus: object) -> tuple[int, ...]:
+    """``LoaderOptions.cpus`` as a tuple of CPU numbers (integers >= 0, or their digits)."""
+    fix = "pass a list of CPU numbers (integers >= 0, e.g. cpus=[2, 3]) or cpus='auto'"
+    try:
+        items = list(cpus)  # type: ignore[call-overload]
+    except TypeError:
+        raise UsageError(f"cpus must be a list of CPU numbers, got {cpus!r}; {fix}") from None
+    out = []
+    for c in items:
+        if isinstance(c, str) and c.strip().isdigit():
+            c = int(c)
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0:
+            raise UsageError(f"cpus: {c!r} is not a CPU number; {fix}")
+        out.append(int(c))
+    if not out:
+        raise UsageError(f"cpus must name at least one CPU; {fix}")
+    return tuple(out)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoaderOptions:
     """Worker-pool and shared-memory settings of :class:`~shardio.ShardLoader`.
@@ -450,21 +474,24 @@ class LoaderOptions:
         elif isinstance(self.cpus, str):
             raise UsageError(f"cpus must be a list of CPU numbers or 'auto', got {self.cpus!r}")
         elif self.cpus is not None:
-            object.__setattr__(self, "cpus", tuple(int(c) for c in self.cpus))
-            if not self.cpus:
-                raise UsageError("cpus must name at least one CPU")
+            object.__setattr__(self, "cpus", _cpu_numbers(self.cpus))
         if (isinstance(self.prefetch_factor, bool) or not isinstance(self.prefetch_factor, int)
                 or self.prefetch_factor < 1):
             raise UsageError(f"prefetch_factor must be an integer >= 1, got "
                              f"{self.prefetch_factor!r}")
-        if self.poll_interval <= 0:
-            raise UsageError(f"poll_interval must be > 0, got {self.poll_interval}")
-        if self.max_restarts < 0:
-            raise UsageError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        if not self.start_timeout > 0:
-            raise UsageError(f"start_timeout must be > 0 seconds, got {self.start_timeout}")
-        if not 0 < self.max_held_fraction <= 1:
-            raise UsageError(f"max_held_fraction must be in (0, 1], got {self.max_held_fraction}")
+        if not _is_real(self.poll_interval) or not 0 < self.poll_interval < math.inf:
+            # (nan or inf: refused by the ring's waits only once the workers run)
+            raise UsageError(f"poll_interval must be a finite number of seconds > 0, got "
+                             f"{self.poll_interval!r}")
+        if (isinstance(self.max_restarts, bool)
+                or not isinstance(self.max_restarts, numbers.Integral) or self.max_restarts < 0):
+            raise UsageError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if not _is_real(self.start_timeout) or not self.start_timeout > 0:
+            raise UsageError(f"start_timeout must be a number of seconds > 0, got "
+                             f"{self.start_timeout!r}")
+        if not _is_real(self.max_held_fraction) or not 0 < self.max_held_fraction <= 1:
+            raise UsageError(f"max_held_fraction must be in (0, 1], got "
+                             f"{self.max_held_fraction!r}")
         if (isinstance(self.log_every, bool) or not isinstance(self.log_every, numbers.Integral)
                 or self.log_every < 0):
             raise UsageError(f"log_every must be an integer >= 0 (steps between log lines; 0: "

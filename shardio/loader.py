@@ -511,6 +511,9 @@ class ShardLoader:
 
     # --- iteration ---------------------------------------------------------------------------
     def _ensure_pool(self) -> WorkerPool:
+        if self._pool is not None and self._pool.owner != os.getpid():
+            # Inherited through fork: its workers are the parent's (closing only lets go here).
+            self._close(wait=True)
         if self._pool is None:
             o = self.options
             # The pool calls back into this loader through weak methods: bound ones would make

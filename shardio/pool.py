@@ -108,7 +108,10 @@ Failure handling
     for ring space (the signal fires when the forking *thread* exits, so a worker forked by any
     other thread, say one that iterates each epoch in the background, must not have it).  A
     worker closes the inherited main ends of every pipe, so that closing the pool (main's ends)
-    unblocks a worker stuck on one.
+    unblocks a worker stuck on one.  A copy of the pool in another process forked from main
+    (one that drops its copy of a loader, or whose interpreter exits) closes only that
+    process's descriptors when it is closed: the workers, rings and generation counter stay
+    main's (``ShardLoader`` starts new workers for a child that iterates its copy).
 
 Stuck start
     On CPython without the fix for python/cpython#112275 (before 3.12 and 3.11.10), a
@@ -186,6 +189,7 @@ from .errors import (
     WorkerTimeoutError,
 )
 from .ring import DEFAULT_SHM_DIR, Message, Ring, check_shm_space, sweep_stale
+from .topology import check_cpus
 
 __all__ = ["BatchJob", "Cmd", "PoolOptions", "Sent", "SpilledMessage", "WorkerPool"]
 
@@ -193,6 +197,8 @@ log = logging.getLogger("shardio.pool")
 
 # How often a spilling worker whose ring is full looks whether main now wants its step.
 _SPILL_SLICE = 0.01
+
+_CLOSED_MESSAGE = "the worker pool is closed; create a new loader"
 
 # Ring directories this process has swept for files of dead creators (once each).
 _SWEPT: set[str] = set()
@@ -812,6 +818,10 @@ class WorkerPool:
         self._started = self._ctx.RawArray("q", [0] * options.num_workers)
         self._workers: list[_Worker] = []
         self._closed = False
+        self.owner = os.getpid()  # a forked child's copy of the pool is not its to close
+        # The thread inside close(), from its start (None: none); see run().
+        self._closing: int | None = None
+        self._failing = False  # closed by run() itself, to raise its own error
         # Workers a close(wait=False) did not wait for (see *Closing without waiting*).
         self.exiting: list[Any] = []
         self.restarts = 0
@@ -825,6 +835,7 @@ class WorkerPool:
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         o = self.options
+        check_cpus(o.cpus)  # (a worker could not pin itself: found here, not in each worker)
         reap_exiting()  # (workers of pools closed without waiting: see *Closing without waiting*)
         _sweep_once(o.shm_dir)
         sized = not callable(o.ring_bytes)
@@ -860,6 +871,7 @@ class WorkerPool:
                 w.ring_frame = _frame((Cmd.RING, w.ring.capacity, directory))
                 self._post(w, w.ring_frame)
         except BaseException:
+            self._failing = True
             self.close()
             raise
 
@@ -923,7 +935,7 @@ class WorkerPool:
             ShmSpaceError: rings sized from the first batch do not fit (the pool is closed).
         """
         if self._closed:
-            raise WorkerError("the worker pool is closed; create a new loader")
+            raise WorkerError(_CLOSED_MESSAGE)
         self._gen.value += 1
         generation = self._gen.value
         W = len(self._workers)
@@ -946,7 +958,16 @@ class WorkerPool:
                 self._restart(w, generation, spec, todo)  # its end is gone: it is dying
         for k, step in enumerate(steps):
             w, todo = self._workers[k % W], todos[k % W]
-            ring, msg = self._next(w, generation, spec, todo)
+            try:
+                ring, msg = self._next(w, generation, spec, todo)
+            except Exception as exc:
+                if self._closing is None or self._failing or (
+                        isinstance(exc, WorkerError) and exc.args == (_CLOSED_MESSAGE,)):
+                    raise
+                # close() from another thread, or from a signal handler, pulled the rings and
+                # pipes from under the wait (a RingClosedError, or worse, a half-torn-down
+                # ring): say what happened.
+                raise WorkerError(_CLOSED_MESSAGE) from exc
             todo.pop()
             yield step, ring, msg
 
@@ -1100,12 +1121,13 @@ class WorkerPool:
         """A worker could not allocate its ring (see *Ring sizing*): close, raise its error."""
         exc, _tb = read_error(msg.view)
         self._discard(ring, msg)
+        self._failing = True
         self.close()
         raise exc
 
     def _check_current(self, generation: int) -> None:
-        if self._closed:
-            raise WorkerError("the worker pool is closed; create a new loader")
+        if self._closed or self._closing is not None:
+            raise WorkerError(_CLOSED_MESSAGE)
         if self._gen.value != generation:
             # Its batches are dropped as stale and the workers have moved on: it would wait
             # forever (and discard the newer iterator's batches while at it).
@@ -1189,6 +1211,10 @@ class WorkerPool:
         a later ``close()``, or the pool's collection, does."""
         if self._closed:
             return
+        if os.getpid() != self.owner:
+            self._let_go()
+            return
+        self._closing = threading.get_ident()
         self._gen.value += 1
         try:
             self._stop_workers(wait)
@@ -1207,6 +1233,24 @@ class WorkerPool:
             if w.ring is not None:
                 w.ring.unlink()
         self._closed = True
+
+    def _let_go(self) -> None:
+        """close() in a process forked from the owner (its copy of a loader dropped, or its
+        interpreter exiting): the workers, rings and generation counter are the owner's, still
+        in use there.  Only this process's copies of the descriptors are closed; nothing is
+        posted, nothing shared is marked closed, no worker is stopped or waited for."""
+        self._closed = True
+        for w in self._workers:
+            if w.ctl is not None:
+                os.close(w.ctl)
+                w.ctl = None
+            if w.data is not None:
+                w.data.close()
+            if w.ring is not None:
+                w.ring.close_fd()
+            w.early.clear()
+            w.outbox.clear()
+            w.ring_frame = None
 
     def _stop_workers(self, wait: bool = True) -> None:
         for w in self._workers:
@@ -1254,6 +1298,8 @@ def _finish(proc: Any, deadline: float) -> None:
 # start*).  multiprocessing reaps those that exited whenever a process starts; reap_exiting
 # enforces the deadlines.
 _EXITING: list[tuple[Any, float]] = []
+# A forked child did not start them: not its to wait for (nor can it).
+os.register_at_fork(after_in_child=_EXITING.clear)
 
 
 def still_exiting(proc: Any) -> bool:

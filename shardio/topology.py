@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import UsageError
 
-__all__ = ["Topology", "discover_cpus", "numa_nodes"]
+__all__ = ["Topology", "check_cpus", "discover_cpus", "numa_nodes"]
 
 # The launcher's own variables first: mpirun inside a Slurm allocation leaves the batch step's
 # SLURM_PROCID=0/SLURM_NTASKS=1 in every rank's environment.
@@ -162,3 +162,61 @@ def discover_cpus(env: Mapping[str, str] | None = None,
     if limit.isdigit() and 0 < int(limit) < len(ordered):
         ordered = ordered[: int(limit)]
     return ordered
+
+
+def pinnable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> set[int] | None:
+    """The CPUs a child of this process may be pinned to: its cpuset (which may be wider than
+    this process's own affinity mask, say when the training process pinned itself to one core),
+    with the affinity mask; the online CPUs where no cpuset file can be read; None when nothing
+    can be told."""
+    found: set[int] = set()
+    if hasattr(os, "sched_getaffinity"):
+        found |= set(os.sched_getaffinity(0))
+    v2, v1 = "", ""
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
+                    v2 = parts[2].strip("/")
+                elif len(parts) == 3 and "cpuset" in parts[1].split(","):
+                    v1 = parts[2].strip("/")
+    except OSError:
+        pass
+    # The cgroup's own directory, else the mount's root (a container that sees only its own).
+    candidates = [os.path.join(cgroup_root, v2, "cpuset.cpus.effective"),
+                  os.path.join(cgroup_root, "cpuset.cpus.effective"),
+                  os.path.join(cgroup_root, "cpuset", v1, "cpuset.effective_cpus"),
+                  os.path.join(cgroup_root, "cpuset", "cpuset.effective_cpus"),
+                  "/sys/devices/system/cpu/online"]
+    for path in candidates:
+        try:
+            with open(path, encoding="ascii") as f:
+                cpus = _parse_cpulist(f.read())
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if cpus:
+            return found | set(cpus)
+    return found or None
+
+
+def check_cpus(cpus: tuple[int, ...] | None, allowed: set[int] | None = None) -> None:
+    """Refuse CPUs that workers cannot be pinned to (``allowed``: :func:`pinnable_cpus`).
+
+    Raises:
+        UsageError: a CPU number is not an integer >= 0, or not one this process may use.
+    """
+    if cpus is None:
+        return
+    for c in cpus:
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise UsageError(f"cpus: {c!r} is not a CPU number; pass integers >= 0 "
+                             "(e.g. cpus=[2, 3]) or cpus='auto'")
+    allowed = pinnable_cpus() if allowed is None else allowed
+    if allowed is None:
+        return
+    bad = sorted(set(cpus) - allowed)
+    if bad:
+        usable = ",".join(str(c) for c in sorted(allowed))
+        raise UsageError(f"cpus: CPU {', '.join(map(str, bad))} is not available to this process "
+                         f"(it may use {usable}); pass CPUs from that list, or cpus='auto'")
