@@ -643,8 +643,10 @@ def _describe(count: int, size: int, pool: str | None) -> str:
 def _mismatch(request: LayoutRequest, layout: Layout) -> bool:
     count_ok = (layout.stripe_count >= 1 if request.stripe_count == -1
                 else layout.stripe_count == request.stripe_count)
-    return not (count_ok and layout.stripe_size == request.stripe_size
-                and layout.pool == request.pool)
+    # No pool asked for: Lustre gives a plain layout the parent (or root) directory's default
+    # pool (lfs-setstripe(1)), so any pool read back is what was asked.
+    pool_ok = request.pool is None or layout.pool == request.pool
+    return not (count_ok and layout.stripe_size == request.stripe_size and pool_ok)
 
 
 def _discard(fd: int, path: str) -> None:
