@@ -11,8 +11,19 @@ import pytest
 
 import shardio.lustre
 from shardio import PackOptions, pack
-from shardio.lustre import LayoutRequest, create_striped, parse_lov
-from tests.fake_lfs import EXT4_MAGIC, LL_SUPER_MAGIC, LOV_MAGIC_V3, FakeProbe
+from shardio.lustre import LayoutRequest, create_striped, parse_getstripe, parse_lov
+from tests.fake_lfs import (
+    EXT4_MAGIC,
+    LCME_FL_INIT,
+    LL_SUPER_MAGIC,
+    LOV_MAGIC_V1,
+    LOV_MAGIC_V3,
+    LUSTRE_EOF,
+    MDT_SEQ,
+    FakeProbe,
+    pack_comp,
+    pack_lmm,
+)
 
 MiB = 1 << 20
 
@@ -66,3 +77,83 @@ def test_pack_into_a_directory_with_a_default_pool(image_tree: Path, tmp_path: P
     assert len(layouts) == 3  # (the fake keeps xattrs by the temp name the shard was made as)
     assert all(lay.pool == "flash" and lay.stripe_count == 1 for lay in layouts)
     assert shardio.verify_dataset(str(out)) == []
+
+
+# --- FLR mirrors -------------------------------------------------------------------------------
+
+LCME_FL_STALE, LCME_FL_PREF_RD = 0x1, 0x2
+OI = (0x2A, MDT_SEQ)
+
+
+def _flr(m1_flags: int, m2_flags: int) -> bytes:
+    """Two mirrors of [0, EOF): mirror 1 one stripe of 1 MiB on OST 3, mirror 2 two stripes of
+    4 MiB on OSTs 6, 7 (lcme_id = mirror id << 16 | component number)."""
+    return pack_comp([
+        (0x10001, LCME_FL_INIT | m1_flags, 0, LUSTRE_EOF,
+         pack_lmm(LOV_MAGIC_V1, MiB, 1, oi=OI, offset=0, osts=[3])),
+        (0x20002, LCME_FL_INIT | m2_flags, 0, LUSTRE_EOF,
+         pack_lmm(LOV_MAGIC_V1, 4 * MiB, 2, oi=OI, offset=0, osts=[6, 7])),
+    ], mirror_count=1)
+
+
+@pytest.mark.parametrize("m1,m2,ost,size", [
+    (0, 0, 3, MiB),                             # no preference: the first mirror
+    (LCME_FL_STALE, 0, 6, 4 * MiB),             # a stale mirror is not read
+    (0, LCME_FL_PREF_RD, 6, 4 * MiB),           # the preferred mirror is read
+    (LCME_FL_PREF_RD | LCME_FL_STALE, 0, 6, 4 * MiB),  # ... unless it is stale
+])
+def test_flr_first_ost_and_stripe_come_from_the_mirror_that_is_read(
+        m1: int, m2: int, ost: int, size: int) -> None:
+    """Mirrors cover the same extent; clients read a non-stale mirror, the one flagged
+    ``prefer`` if any.  first_ost (how the reader spreads read-ahead over OSTs) and the stripe
+    size (its read block) named the first mirror in the blob even when it was stale or another
+    was preferred."""
+    layout = parse_lov(_flr(m1, m2))
+    assert layout.first_ost == ost and layout.stripe_size == size
+    assert set(layout.osts) == {3, 6, 7}  # every object still listed
+
+
+FLR_YAML = """\
+  lcm_layout_gen:    4
+  lcm_mirror_count:  2
+  lcm_entry_count:   2
+  component0:
+    lcme_id:             65537
+    lcme_mirror_id:      1
+    lcme_flags:          init,stale
+    lcme_extent.e_start: 0
+    lcme_extent.e_end:   EOF
+    sub_layout:
+      lmm_stripe_count:  1
+      lmm_stripe_size:   1048576
+      lmm_pattern:       raid0
+      lmm_layout_gen:    0
+      lmm_stripe_offset: 3
+      lmm_objects:
+      - l_ost_idx: 3
+        l_fid:     0x100030000:0x2:0x0
+
+  component1:
+    lcme_id:             131074
+    lcme_mirror_id:      2
+    lcme_flags:          init
+    lcme_extent.e_start: 0
+    lcme_extent.e_end:   EOF
+    sub_layout:
+      lmm_stripe_count:  2
+      lmm_stripe_size:   4194304
+      lmm_pattern:       raid0
+      lmm_layout_gen:    0
+      lmm_stripe_offset: 6
+      lmm_objects:
+      - l_ost_idx: 6
+        l_fid:     0x100060000:0x2:0x0
+      - l_ost_idx: 7
+        l_fid:     0x100070000:0x2:0x0
+"""
+
+
+def test_flr_from_lfs_getstripe_yaml() -> None:
+    layout = parse_getstripe(FLR_YAML)
+    assert layout is not None and [c.mirror for c in layout.components] == [1, 2]
+    assert layout.first_ost == 6 and layout.stripe_size == 4 * MiB
