@@ -806,7 +806,7 @@ def read_block_size(layout: Layout | None, minimum: int = 4 * MiB,
     if stripe <= maximum:
         return maximum // stripe * stripe
     if stripe % LOV_MIN_STRIPE_SIZE:
-        return stripe  # not a valid Lustre stripe size: read it as it is
+        return maximum  # not a valid Lustre stripe size (damaged): no boundary to keep
     units, most = stripe // LOV_MIN_STRIPE_SIZE, max(1, maximum // LOV_MIN_STRIPE_SIZE)
     return LOV_MIN_STRIPE_SIZE * max(d for d in _divisors(units) if d <= most)
 

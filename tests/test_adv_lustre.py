@@ -11,7 +11,14 @@ import pytest
 
 import shardio.lustre
 from shardio import PackOptions, pack
-from shardio.lustre import LayoutRequest, create_striped, parse_getstripe, parse_lov
+from shardio.lustre import (
+    MAX_READ_BLOCK,
+    LayoutRequest,
+    create_striped,
+    parse_getstripe,
+    parse_lov,
+    read_block_size,
+)
 from tests.fake_lfs import (
     EXT4_MAGIC,
     LCME_FL_INIT,
@@ -157,3 +164,14 @@ def test_flr_from_lfs_getstripe_yaml() -> None:
     layout = parse_getstripe(FLR_YAML)
     assert layout is not None and [c.mirror for c in layout.components] == [1, 2]
     assert layout.first_ost == 6 and layout.stripe_size == 4 * MiB
+
+
+@pytest.mark.parametrize("stripe", [0xFFFFFFFF, (2 << 30) + 4096, 64 * MiB + 1])
+def test_a_stripe_size_lustre_cannot_have_still_gives_a_bounded_read(stripe: int) -> None:
+    """A stripe size that is not a multiple of 64 KiB (a damaged xattr, odd `lfs` output) and
+    above the read maximum was returned as the read block whole: up to 4 GiB per coalesced
+    read and per worker buffer."""
+    layout = parse_lov(pack_lmm(LOV_MAGIC_V1, stripe, 1, oi=OI, offset=0, osts=[0]))
+    assert layout.stripe_size == stripe
+    assert read_block_size(layout) <= MAX_READ_BLOCK
+    assert read_block_size(layout, maximum=8 * MiB) <= 8 * MiB
