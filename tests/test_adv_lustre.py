@@ -4,11 +4,13 @@ tests/fake_lfs.py does not model (a directory default pool, FLR mirrors, ...).""
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 from pathlib import Path
 
 import pytest
 
+import shardio
 import shardio.lustre
 from shardio import PackOptions, pack
 from shardio.lustre import (
@@ -19,6 +21,7 @@ from shardio.lustre import (
     parse_lov,
     read_block_size,
 )
+from shardio.repair import repair_dataset
 from tests.fake_lfs import (
     EXT4_MAGIC,
     LCME_FL_INIT,
@@ -175,3 +178,27 @@ def test_a_stripe_size_lustre_cannot_have_still_gives_a_bounded_read(stripe: int
     assert layout.stripe_size == stripe
     assert read_block_size(layout) <= MAX_READ_BLOCK
     assert read_block_size(layout, maximum=8 * MiB) <= 8 * MiB
+
+
+def test_repair_of_a_shard_in_a_pool_no_request_can_name(image_tree: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lustre does not restrict pool names to ASCII; a shard in pool "café" read back with a
+    pool LayoutRequest refuses, and repair crashed with UsageError ("pass --stripe-pool NAME")
+    instead of restoring the shard with the directory's default layout."""
+    out = tmp_path / "lustre" / "ds"
+    pack(image_tree, out, PackOptions(samples_per_shard=20, fsync=False))
+    probe = _probe(tmp_path / "lustre")
+    monkeypatch.setattr(shardio.lustre, "FsProbe", lambda: probe)
+    blob = pack_lmm(LOV_MAGIC_V3, MiB, 1, oi=OI, offset=0, osts=[2])
+    blob = blob[:32] + "café".encode().ljust(16, b"\0") + blob[48:]
+    for p in out.iterdir():
+        probe.xattrs[os.path.realpath(p)] = {"lustre.lov": blob}
+    assert shardio.lustre.get_layout(str(out / "shard-000000.tar")).pool == "caf\ufffd\ufffd"
+    replica = tmp_path / "replica"
+    shutil.copytree(out, replica)
+    with open(out / "shard-000000.tar", "r+b") as f:
+        f.seek(700)
+        f.write(b"\xff")
+    report = repair_dataset(str(out), replicas=[str(replica)])
+    assert [p for p, _src in report.repaired] == ["shard-000000.tar"]
+    assert shardio.verify_dataset(str(out)) == []
