@@ -191,8 +191,9 @@ class FsProbe:
         if exe is None:
             return None
         try:
+            # (errors=: lfs prints pool names as raw bytes, which need not be UTF-8)
             proc = subprocess.run([exe, *args], capture_output=True, text=True,
-                                  timeout=timeout, check=False)
+                                  errors="replace", timeout=timeout, check=False)
         except (OSError, subprocess.SubprocessError):
             return None
         return proc.stdout if proc.returncode == 0 else None

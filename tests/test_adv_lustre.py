@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,26 @@ def test_repair_of_a_shard_in_a_pool_no_request_can_name(image_tree: Path, tmp_p
     report = repair_dataset(str(out), replicas=[str(replica)])
     assert [p for p, _src in report.repaired] == ["shard-000000.tar"]
     assert shardio.verify_dataset(str(out)) == []
+
+
+def test_lfs_output_that_is_not_utf8_is_parsed(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`lfs getstripe -y` prints a pool name as its raw bytes; one that is not UTF-8 (a Latin-1
+    name) made FsProbe.lfs raise UnicodeDecodeError out of get_layout, which readers do not
+    catch (they expect ShardIOError or LayoutError)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "lfs"
+    text = (b"lmm_stripe_count:  1\nlmm_stripe_size:   1048576\nlmm_pattern:       raid0\n"
+            b"lmm_layout_gen:    0\nlmm_stripe_offset: 3\nlmm_pool:          caf\xe9\n"
+            b"lmm_objects:\n      - l_ost_idx: 3\n        l_fid:     0x100030000:0x2:0x0\n")
+    script.write_text(f"#!{sys.executable}\nimport sys\nsys.stdout.buffer.write({text!r})\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    root = tmp_path / "lustre"
+    root.mkdir()
+    (root / "f").write_bytes(b"")
+    probe = _probe(root, default_layout=False)
+    layout = shardio.lustre.get_layout(str(root / "f"), probe)
+    assert layout is not None and layout.first_ost == 3 and layout.stripe_size == MiB
+    assert layout.pool is not None and layout.pool.startswith("caf")
