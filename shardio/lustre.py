@@ -87,7 +87,8 @@ LOV_MAGIC_V1, LOV_MAGIC_V3, LOV_MAGIC_SPECIFIC = 0x0BD10BD0, 0x0BD30BD0, 0x0BD50
 LOV_MAGIC_COMP_V1, LOV_MAGIC_FOREIGN = 0x0BD60BD0, 0x0BD70BD0
 LOV_PATTERN_RAID0, LOV_PATTERN_MDT = 0x001, 0x100
 LOV_PATTERN_F_MASK, LOV_PATTERN_F_RELEASED = 0xFFFF0000, 0x80000000
-LCME_FL_INIT = 0x10
+LCME_FL_STALE, LCME_FL_PREF_RD, LCME_FL_INIT = 0x1, 0x2, 0x10
+MIRROR_ID_MASK, MIRROR_ID_SHIFT = 0x7FFF0000, 16
 O_LOV_DELAY_CREATE = os.O_NOCTTY | getattr(os, "O_ASYNC", 0o20000)  # FASYNC on x86-64/aarch64
 _ALL = 0xFFFF  # u16 -1: "all OSTs" as a count, "any OST" as an offset
 
@@ -190,8 +191,9 @@ class FsProbe:
         if exe is None:
             return None
         try:
+            # (errors=: lfs prints pool names as raw bytes, which need not be UTF-8)
             proc = subprocess.run([exe, *args], capture_output=True, text=True,
-                                  timeout=timeout, check=False)
+                                  errors="replace", timeout=timeout, check=False)
         except (OSError, subprocess.SubprocessError):
             return None
         return proc.stdout if proc.returncode == 0 else None
@@ -331,6 +333,11 @@ class Component:
         """Whether Lustre created this component's objects (LCME_FL_INIT)."""
         return bool(self.flags & LCME_FL_INIT)
 
+    @property
+    def mirror(self) -> int:
+        """FLR mirror id (bits 16-30 of ``lcme_id``; 0 for a file without mirrors)."""
+        return (self.id & MIRROR_ID_MASK) >> MIRROR_ID_SHIFT
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -339,16 +346,31 @@ class Layout:
     The summary properties describe the *main* component: the instantiated non-DoM component
     that starts last (shards are large, so it holds most of their bytes; the first component of
     a PFL layout is typically a small one-stripe head), or the last non-DoM component when none
-    is instantiated yet.  For a plain layout that is its only component.
+    is instantiated yet.  For a plain layout that is its only component.  In a mirrored (FLR)
+    file, where several components cover the same extent, the summary and :attr:`first_ost`
+    describe the mirror clients read: the first one with no stale component, preferring one
+    flagged ``prefer`` (LCME_FL_PREF_RD).
     """
 
     components: tuple[Component, ...]
     composite: bool
 
     @property
+    def read_mirror(self) -> tuple[Component, ...]:
+        """The components of the mirror a client reads (all of them without FLR mirrors)."""
+        mirrors: dict[int, list[Component]] = {}
+        for c in self.components:
+            mirrors.setdefault(c.mirror, []).append(c)
+        if len(mirrors) <= 1:
+            return self.components
+        fresh = [m for m in mirrors.values() if not any(c.flags & LCME_FL_STALE for c in m)]
+        preferred = [m for m in fresh if any(c.flags & LCME_FL_PREF_RD for c in m)]
+        return tuple((preferred or fresh or list(mirrors.values()))[0])
+
+    @property
     def main(self) -> Component | None:
         """The component the summary properties describe (see the class docstring)."""
-        data = [c for c in self.components if not c.dom]
+        data = [c for c in self.read_mirror if not c.dom]
         chosen = [c for c in data if c.instantiated] or data
         return max(chosen, key=lambda c: c.start) if chosen else None
 
@@ -374,8 +396,9 @@ class Layout:
 
     @property
     def first_ost(self) -> int | None:
-        """The OST holding the file's first OST-backed bytes, or None."""
-        osts = self.osts
+        """The OST holding the file's first OST-backed bytes (in the mirror read), or None."""
+        osts = [c.stripe.osts[0] for c in sorted(self.read_mirror, key=lambda c: c.start)
+                if c.stripe.osts]
         return osts[0] if osts else None
 
     @property
@@ -643,8 +666,10 @@ def _describe(count: int, size: int, pool: str | None) -> str:
 def _mismatch(request: LayoutRequest, layout: Layout) -> bool:
     count_ok = (layout.stripe_count >= 1 if request.stripe_count == -1
                 else layout.stripe_count == request.stripe_count)
-    return not (count_ok and layout.stripe_size == request.stripe_size
-                and layout.pool == request.pool)
+    # No pool asked for: Lustre gives a plain layout the parent (or root) directory's default
+    # pool (lfs-setstripe(1)), so any pool read back is what was asked.
+    pool_ok = request.pool is None or layout.pool == request.pool
+    return not (count_ok and layout.stripe_size == request.stripe_size and pool_ok)
 
 
 def _discard(fd: int, path: str) -> None:
@@ -782,7 +807,7 @@ def read_block_size(layout: Layout | None, minimum: int = 4 * MiB,
     if stripe <= maximum:
         return maximum // stripe * stripe
     if stripe % LOV_MIN_STRIPE_SIZE:
-        return stripe  # not a valid Lustre stripe size: read it as it is
+        return maximum  # not a valid Lustre stripe size (damaged): no boundary to keep
     units, most = stripe // LOV_MIN_STRIPE_SIZE, max(1, maximum // LOV_MIN_STRIPE_SIZE)
     return LOV_MIN_STRIPE_SIZE * max(d for d in _divisors(units) if d <= most)
 

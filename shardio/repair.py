@@ -543,8 +543,11 @@ def _layout_to_keep(root: str, entry: ShardEntry, manifest: Manifest | None) -> 
         if layout is None:
             return None  # not Lustre
         if not layout.composite and layout.stripe_size > 0 and layout.stripe_count >= 1:
-            return lustre.LayoutRequest(stripe_count=layout.stripe_count,
-                                        stripe_size=layout.stripe_size, pool=layout.pool)
+            try:
+                return lustre.LayoutRequest(stripe_count=layout.stripe_count,
+                                            stripe_size=layout.stripe_size, pool=layout.pool)
+            except UsageError:  # a layout no request can name (a non-ASCII pool, damaged)
+                continue
     return None
 
 
