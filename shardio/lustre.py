@@ -791,7 +791,8 @@ def read_block_size(layout: Layout | None, minimum: int = 4 * MiB,
     A stripe larger than ``maximum`` (Lustre allows up to 4 GiB - 64 KiB) is not read whole:
     the block is then the largest divisor of the stripe that is a multiple of 64 KiB and at
     most ``maximum``, so aligned reads still never cross a stripe boundary while one read (and
-    the buffer that holds it, in every worker) stays bounded.
+    the buffer that holds it, in every worker) stays bounded; where that divisor is below
+    4 MiB (and ``minimum``: a stripe of a prime number of 64 KiB units), ``maximum``.
 
     Raises:
         UsageError: ``minimum`` or ``maximum`` is not positive.
@@ -809,7 +810,10 @@ def read_block_size(layout: Layout | None, minimum: int = 4 * MiB,
     if stripe % LOV_MIN_STRIPE_SIZE:
         return maximum  # not a valid Lustre stripe size (damaged): no boundary to keep
     units, most = stripe // LOV_MIN_STRIPE_SIZE, max(1, maximum // LOV_MIN_STRIPE_SIZE)
-    return LOV_MIN_STRIPE_SIZE * max(d for d in _divisors(units) if d <= most)
+    block = LOV_MIN_STRIPE_SIZE * max(d for d in _divisors(units) if d <= most)
+    # (A stripe with no divisor of 4 MiB or more, 1031 x 64 KiB say, would read 64 KiB at a
+    # time: large reads that cross its boundaries are the lesser cost.)
+    return block if block >= min(minimum, 4 * MiB) else maximum
 
 
 def _divisors(n: int) -> list[int]:

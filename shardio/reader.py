@@ -29,7 +29,14 @@ from .errors import (
 )
 from .formats import ShardIndex, ShardReader, index_loader
 from .formats.base import FileIdent, file_ident, list_position
-from .lustre import detect_fs, get_layout, read_block_size, spread_by_ost
+from .lustre import (
+    MAX_READ_BLOCK,
+    MiB,
+    detect_fs,
+    get_layout,
+    read_block_size,
+    spread_by_ost,
+)
 from .manifest import MANIFEST_NAME, Manifest
 from .repair import FAULTS, Copy, CopyLadder, rebuilt_index_matches
 
@@ -378,10 +385,16 @@ class DatasetReader:
                 # the ladder's business when it is read, not a fault of the shard being opened.
                 for j in range(min(self.num_shards, 8)):
                     try:
-                        block = read_block_size(get_layout(self.shard_path(j)))
+                        layout = get_layout(self.shard_path(j))
                     except (ShardIOError, LayoutError):
                         continue
-                    self.read_block = -(-max(self.read_block, block) // block) * block
+                    # At least the read_block asked for and a multiple of the stripe, or for
+                    # stripes over 64 MiB a divisor of it.  (Rounding read_block up to a
+                    # multiple of such a divisor gave reads that crossed stripe boundaries,
+                    # or went past the bound: 144 MiB for a 96 MiB stripe and 100 MiB asked.)
+                    self.read_block = read_block_size(
+                        layout, minimum=max(self.read_block, 4 * MiB),
+                        maximum=max(MAX_READ_BLOCK, self.read_block))
                     break
         return self._fs == "lustre"
 

@@ -122,6 +122,23 @@ def test_reader_bounds_its_reads_on_huge_stripes(
         assert len(list(r)) == m.num_samples
 
 
+@pytest.mark.parametrize("stripe,asked,want", [
+    (96 << 20, 100 << 20, 96 << 20),   # asked more than the bound: the stripe, not 144 MiB
+    (96 << 20, 8 << 20, 48 << 20),     # the default: a divisor of the stripe
+    (3 << 20, 8 << 20, 9 << 20),       # the smallest stripe multiple at least what was asked
+    (256 << 20, 128 << 20, 128 << 20),  # a divisor, as large as asked
+])
+def test_reader_read_block_divides_or_multiplies_the_stripe(
+        image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stripe: int,
+        asked: int, want: int) -> None:
+    """read_block was rounded up to a multiple of the stripe's divisor, which for stripes over
+    64 MiB need not divide the stripe (reads across its boundaries) and could pass the bound."""
+    root, _m = striped_dataset(image_tree, tmp_path, monkeypatch, stripe, lambda i: 0)
+    with DatasetReader(root, read_block=asked) as r:
+        assert r.on_lustre and r.read_block == want
+        assert stripe % r.read_block == 0 or r.read_block % stripe == 0
+
+
 def test_a_missing_shard_is_not_blamed_on_another_during_the_lustre_probe(
         image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The stripe size is probed on the first shard that answers and OST spreading treats an
