@@ -8,13 +8,15 @@ tif tiff
 cls cls2 index id                  ``int``
 json jsn                           parsed JSON
 txt text                           ``str``
-npy                                ``numpy.ndarray`` (``allow_pickle=False``)
+npy                                ``numpy.ndarray`` (of ``object`` dtype: only with
+                                   ``allow_pickle=True``)
 pickle pyd pkl                     unpickled object, only with ``allow_pickle=True``
 anything else                      unchanged (``bytes``; a read-only ``uint8`` array with zero_copy)
 =================================  ======================================================
 
-Unpickling runs arbitrary code, so a pickle field without ``allow_pickle=True`` raises
-:class:`~shardio.errors.UsageError` rather than being decoded or silently passed through.
+Unpickling runs arbitrary code, so a pickle field (or an ``npy`` of ``object`` dtype, which
+numpy stores pickled) without ``allow_pickle=True`` raises :class:`~shardio.errors.UsageError`
+rather than being decoded or silently passed through.
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ def _image(data: bytes, mode: str) -> np.ndarray:
         return np.array(img.convert(mode))
 
 
+def _npy(name: str, data: bytes, allow_pickle: bool) -> Any:
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=allow_pickle)
+    except ValueError as exc:
+        # numpy refuses an object array (its items are pickled) or a pickle in an .npy: a valid
+        # file the user did not trust, not a malformed one ("allow_pickle" is in both messages)
+        if allow_pickle or "allow_pickle" not in str(exc):
+            raise
+    raise UsageError(
+        f"field {name!r} is an .npy holding pickled data (an array of object dtype); "
+        "unpickling runs arbitrary code, so shardio decodes it only with allow_pickle=True "
+        "(trust the data first)")
+
+
 def decode_field(name: str, data: bytes, *, allow_pickle: bool = False,
                  image_mode: str = "RGB") -> Any:
     """Decode one field by its extension (see the module table)."""
@@ -72,7 +88,7 @@ def decode_field(name: str, data: bytes, *, allow_pickle: bool = False,
     if ext in ("txt", "text"):
         return bytes(data).decode("utf-8")
     if ext == "npy":
-        return np.load(io.BytesIO(data), allow_pickle=False)
+        return _npy(name, data, allow_pickle)
     if ext in _PICKLE:
         if not allow_pickle:
             raise UsageError(
