@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -38,8 +39,15 @@ def describe(root: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _number(value: Any) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok else None
+    # (NaN or Infinity, which json reads, would make `inspect --json` print JSON no parser
+    # takes; an integer past a float's range made float() raise OverflowError)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _counts(value: Any) -> dict[str, int]:

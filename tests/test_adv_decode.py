@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import io
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import shardio
 from shardio.errors import DecodeError, UsageError
+from shardio.manifest import _body_digest
 
 
 def _pack(src: Path, out: Path, **options: object) -> Path:
@@ -41,3 +45,38 @@ def test_an_object_npy_needs_allow_pickle_and_decodes_with_it(tmp_path: Path) ->
     for allow in (False, True):
         with pytest.raises(DecodeError, match=r"sample 'c' field 'npy' does not decode"):
             shardio.ShardDataset(ds, decode=True, allow_pickle=allow)[2]
+
+
+def _reseal(root: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit ``root/manifest.json`` and recompute its own digest (so the edit itself is tested)."""
+    path = root / "manifest.json"
+    data = json.loads(path.read_bytes())
+    edit(data)
+    data["manifest_digest"] = _body_digest(data)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def _strict_json(text: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("ratio", [float("nan"), float("inf"), float("-inf"), 10**400],
+                         ids=["nan", "inf", "-inf", "huge_int"])
+def test_inspect_of_a_ratio_past_the_floats_is_unknown(ratio: float, cli: Any,
+                                                       tmp_path: Path) -> None:
+    """json reads NaN and Infinity in a manifest's (informative) stats; `inspect --json` then
+    printed them as NaN/Infinity, which no strict JSON parser (jq, JSON.parse) accepts; an
+    integer past a float's range was an OverflowError traceback."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"s{i}.txt").write_text(f"text {i}")
+    ds = _pack(src, tmp_path / "ds", compress="zstd")
+    _reseal(ds, lambda d: d["stats"].update(compression_ratio=ratio))
+    rc, out, err = cli("inspect", "--json", ds)
+    assert rc == 0, err
+    assert _strict_json(out)["compression_ratio"] is None
+    rc, out, err = cli("inspect", ds)
+    assert rc == 0 and "compression zstd:3 (ratio unknown)" in out, out + err
