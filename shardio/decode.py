@@ -37,11 +37,26 @@ _PICKLE = frozenset({"pickle", "pyd", "pkl"})
 _TEXTUAL = frozenset({"json", "jsn", "txt", "text"})
 
 
+class _TooManyPixels(Exception):
+    """Pillow refused an image as a possible decompression bomb (``PIL.Image.MAX_IMAGE_PIXELS``):
+    a well-formed file, which :func:`decode_sample` reports with that setting as the fix."""
+
+
 def _image(data: bytes, mode: str) -> np.ndarray:
     try:
         from PIL import Image
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise MissingDependencyError("decoding images needs Pillow: pip install pillow") from exc
+    try:
+        return _pillow_decode(data, mode)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # (the warning, past MAX_IMAGE_PIXELS but under twice it, raises under -W error)
+        raise _TooManyPixels(str(exc)) from exc
+
+
+def _pillow_decode(data: bytes, mode: str) -> np.ndarray:
+    from PIL import Image
+
     with Image.open(io.BytesIO(data)) as img:
         img.draft(mode, img.size)  # lets JPEG decode straight into the target mode
         if mode not in ("I", "F") and not mode.startswith("I;16") and (
@@ -121,6 +136,15 @@ def decode_sample(sample: dict[str, Any], *, allow_pickle: bool = False,
             raise
         except UsageError as exc:  # (a pickle without allow_pickle): say which sample it is
             raise UsageError(f"sample {sample.get('__key__')!r}: {exc}") from None
+        except _TooManyPixels as exc:
+            from PIL import Image
+
+            raise DecodeError(
+                f"sample {sample.get('__key__')!r} field {k!r} is refused by Pillow as a possible "
+                f"decompression bomb ({exc}); if the data is trusted, raise the limit in every "
+                f"process that decodes (PIL.Image.MAX_IMAGE_PIXELS, now {Image.MAX_IMAGE_PIXELS}; "
+                "None for no limit), or read raw bytes with decode=False"
+            ) from exc.__cause__
         except Exception as exc:
             image = k.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS
             raise DecodeError(

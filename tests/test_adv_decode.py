@@ -80,3 +80,31 @@ def test_inspect_of_a_ratio_past_the_floats_is_unknown(ratio: float, cli: Any,
     assert _strict_json(out)["compression_ratio"] is None
     rc, out, err = cli("inspect", ds)
     assert rc == 0 and "compression zstd:3 (ratio unknown)" in out, out + err
+
+
+def test_an_image_past_pillows_pixel_limit_names_the_limit(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A well-formed image over Pillow's decompression-bomb limit was a DecodeError saying the
+    source file was malformed and to repack it; the setting to raise (trusted data) is
+    PIL.Image.MAX_IMAGE_PIXELS.  Past the limit but under twice it Pillow only warns: under
+    -W error that warning was reported the same wrong way."""
+    import warnings
+
+    from PIL import Image
+
+    src = tmp_path / "src"
+    src.mkdir()
+    Image.new("RGB", (100, 30), (1, 2, 3)).save(src / "big.png")
+    ds = _pack(src, tmp_path / "ds")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 3000 pixels: over twice the limit
+    with pytest.raises(DecodeError, match=r"sample 'big' field 'png' .*decompression bomb.*"
+                                          r"PIL\.Image\.MAX_IMAGE_PIXELS, now 1000") as info:
+        shardio.ShardDataset(ds, decode=True)[0]
+    assert "malformed" not in str(info.value)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)  # over the limit, under twice it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with pytest.raises(DecodeError, match=r"MAX_IMAGE_PIXELS, now 2000"):
+            shardio.ShardDataset(ds, decode=True)[0]
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # the fix the message names
+    assert shardio.ShardDataset(ds, decode=True)[0]["png"].shape == (30, 100, 3)
