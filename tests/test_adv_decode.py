@@ -108,3 +108,34 @@ def test_an_image_past_pillows_pixel_limit_names_the_limit(tmp_path: Path,
             shardio.ShardDataset(ds, decode=True)[0]
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # the fix the message names
     assert shardio.ShardDataset(ds, decode=True)[0]["png"].shape == (30, 100, 3)
+
+
+def test_a_damaged_zstd_frame_header_unverified_is_a_checksum_error_and_repaired(
+        tmp_path: Path) -> None:
+    """With verify=False a bit flipped in a compressed field's frame header (its content size
+    now ~2**62) made zstd allocate that size: a bare MemoryError, past the check the reader
+    makes on a field that does not decode and past the repair ladder.  The header's size is
+    now compared with the index's before decompressing."""
+    import shutil
+
+    from shardio.errors import ChecksumMismatchError, ShardCorruptError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = {f"s{i}": f"hello world {i} ".encode() * 100 for i in range(3)}
+    for key, text in texts.items():
+        (src / f"{key}.txt").write_bytes(text)
+    ds = _pack(src, tmp_path / "ds", compress="zstd")
+    replica = tmp_path / "replica"
+    shutil.copytree(ds, replica)
+    shard = ds / "shard-000000.tar"
+    data = bytearray(shard.read_bytes())
+    at = data.index(bytes.fromhex("28b52ffd"))  # the first field's zstd frame
+    data[at + 4] ^= 0x80  # frame header descriptor: the content size now takes 8 bytes
+    shard.write_bytes(bytes(data))
+    with shardio.open_dataset(ds, verify=False) as reader, pytest.raises(
+            ShardCorruptError) as info:
+        list(reader)
+    assert isinstance(info.value, ChecksumMismatchError) or "checksum" in str(info.value)
+    with shardio.open_dataset(ds, verify=False, replicas=[str(replica)]) as reader:
+        assert {s["__key__"]: bytes(s["txt"]) for s in reader} == texts
