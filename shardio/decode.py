@@ -35,6 +35,8 @@ IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "bmp", "webp",
 _INT = frozenset({"cls", "cls2", "index", "id"})
 _PICKLE = frozenset({"pickle", "pyd", "pkl"})
 _TEXTUAL = frozenset({"json", "jsn", "txt", "text"})
+# Pillow's 16-bit modes and the numpy dtypes of their arrays.
+_I16_DTYPES = {"I;16": "<u2", "I;16L": "<u2", "I;16B": ">u2", "I;16N": "=u2"}
 
 
 class _TooManyPixels(Exception):
@@ -59,6 +61,10 @@ def _pillow_decode(data: bytes, mode: str) -> np.ndarray:
 
     with Image.open(io.BytesIO(data)) as img:
         img.draft(mode, img.size)  # lets JPEG decode straight into the target mode
+        if mode in _I16_DTYPES and img.mode in _I16_DTYPES:
+            # Pillow's convert() between two 16-bit modes (I;16 <-> I;16B, ...) clips every
+            # value at 255; only the byte order differs, so numpy converts it (a copy).
+            return np.asarray(img).astype(_I16_DTYPES[mode])
         if mode not in ("I", "F") and not mode.startswith("I;16") and (
                 img.mode.startswith("I;16") or img.mode == "I"):
             # 16-bit images (PNG, TIFF): Pillow's convert() to an 8-bit mode clips at 255,

@@ -139,3 +139,25 @@ def test_a_damaged_zstd_frame_header_unverified_is_a_checksum_error_and_repaired
     assert isinstance(info.value, ChecksumMismatchError) or "checksum" in str(info.value)
     with shardio.open_dataset(ds, verify=False, replicas=[str(replica)]) as reader:
         assert {s["__key__"]: bytes(s["txt"]) for s in reader} == texts
+
+
+@pytest.mark.parametrize("image_mode", ["I;16", "I;16B", "I;16L", "I;16N"])
+def test_sixteen_bit_images_keep_their_values_in_every_sixteen_bit_mode(
+        image_mode: str, tmp_path: Path) -> None:
+    """Pillow's convert() between two 16-bit modes clips at 255: a big-endian 16-bit TIFF read
+    with image_mode="I;16", or a 16-bit PNG with "I;16B"/"I;16L"/"I;16N", came out as
+    [0, 255, 255, 255] for [0, 1000, 40000, 65535], silently."""
+    from PIL import Image
+
+    values = np.array([[0, 1000, 40000, 65535], [1, 256, 4096, 65534]], dtype=np.uint16)
+    src = tmp_path / "src"
+    src.mkdir()
+    Image.fromarray(values).save(src / "little.png")  # Pillow opens it as I;16
+    Image.fromarray(values.astype(">u2")).save(src / "big.tif")  # opened as I;16B
+    ds = _pack(src, tmp_path / "ds")
+    got = {s["__key__"]: s for s in shardio.ShardDataset(ds, decode=True, image_mode=image_mode)}
+    want = {"I;16B": ">u2", "I;16N": "=u2"}.get(image_mode, "<u2")  # (Pillow's, for the mode)
+    for key, field in (("little", "png"), ("big", "tif")):
+        array = got[key][field]
+        np.testing.assert_array_equal(array, values, err_msg=f"{key}.{field}")
+        assert array.dtype == np.dtype(want) and array.flags.writeable
