@@ -14,6 +14,10 @@ pickle pyd pkl                     unpickled object, only with ``allow_pickle=Tr
 anything else                      unchanged (``bytes``; a read-only ``uint8`` array with zero_copy)
 =================================  ======================================================
 
+An image field is decoded from JPEG, PNG, GIF, WebP, TIFF, BMP or PPM/PGM/PBM data, whichever
+its extension says; other formats (Pillow's EPS plugin would run Ghostscript on the bytes) are
+a :class:`~shardio.errors.DecodeError`.
+
 Unpickling runs arbitrary code, so a pickle field (or an ``npy`` of ``object`` dtype, which
 numpy stores pickled) without ``allow_pickle=True`` raises :class:`~shardio.errors.UsageError`
 rather than being decoded or silently passed through.
@@ -32,6 +36,10 @@ from .errors import DecodeError, MissingDependencyError, UsageError
 __all__ = ["IMAGE_EXTENSIONS", "decode_field", "decode_sample"]
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "bmp", "webp", "gif", "tif", "tiff"})
+# The Pillow formats an image field is decoded from (whatever its extension: a .jpg that is a
+# PNG decodes): never Pillow's other plugins, such as EPS, whose load runs Ghostscript (a
+# PostScript interpreter) on the field's bytes.  (JPEG covers MPO, DIB is BMP's headerless form.)
+_PIL_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "BMP", "DIB", "PPM")
 _INT = frozenset({"cls", "cls2", "index", "id"})
 _PICKLE = frozenset({"pickle", "pyd", "pkl"})
 _TEXTUAL = frozenset({"json", "jsn", "txt", "text"})
@@ -46,11 +54,13 @@ class _TooManyPixels(Exception):
 
 def _image(data: bytes, mode: str) -> np.ndarray:
     try:
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise MissingDependencyError("decoding images needs Pillow: pip install pillow") from exc
     try:
         return _pillow_decode(data, mode)
+    except UnidentifiedImageError as exc:  # (its message names a BytesIO object)
+        raise ValueError(f"not an image in one of the formats {', '.join(_PIL_FORMATS)}") from exc
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         # (the warning, past MAX_IMAGE_PIXELS but under twice it, raises under -W error)
         raise _TooManyPixels(str(exc)) from exc
@@ -59,7 +69,7 @@ def _image(data: bytes, mode: str) -> np.ndarray:
 def _pillow_decode(data: bytes, mode: str) -> np.ndarray:
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as img:
+    with Image.open(io.BytesIO(data), formats=_PIL_FORMATS) as img:
         img.draft(mode, img.size)  # lets JPEG decode straight into the target mode
         if mode in _I16_DTYPES and img.mode in _I16_DTYPES:
             # Pillow's convert() between two 16-bit modes (I;16 <-> I;16B, ...) clips every

@@ -161,3 +161,43 @@ def test_sixteen_bit_images_keep_their_values_in_every_sixteen_bit_mode(
         array = got[key][field]
         np.testing.assert_array_equal(array, values, err_msg=f"{key}.{field}")
         assert array.dtype == np.dtype(want) and array.flags.writeable
+
+
+def _image_bytes(fmt: str, mode: str = "RGB") -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, (16, 8), 200 if mode == "L" else (200, 10, 30)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def test_image_fields_decode_only_from_the_image_formats(tmp_path: Path) -> None:
+    """Image.open tried every Pillow plugin: a .jpg field holding PostScript went to the EPS
+    plugin, whose load runs Ghostscript (a PostScript interpreter) on the dataset's bytes
+    ("Unable to locate Ghostscript" here; run, where it is installed), and a .png holding a
+    TGA, ICO, SGI, ... decoded.  Now only the formats the image extensions name are tried,
+    whatever the extension (a .jpg that is a PNG still decodes)."""
+    eps = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 8\n%%EndComments\n"
+           b"newpath 0 0 moveto 16 8 lineto stroke\nshowpage\n%%EOF\n")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ps.jpg").write_bytes(eps)
+    (src / "tga.png").write_bytes(_image_bytes("TGA"))
+    (src / "sgi.png").write_bytes(_image_bytes("SGI"))
+    (src / "png.jpg").write_bytes(_image_bytes("PNG"))
+    (src / "gray.pgm").write_bytes(_image_bytes("PPM", "L"))
+    for fmt, ext in (("GIF", "gif"), ("WEBP", "webp"), ("TIFF", "tif"), ("BMP", "bmp")):
+        (src / f"{ext}.{ext}").write_bytes(_image_bytes(fmt))
+    ds = _pack(src, tmp_path / "ds")
+    dataset = shardio.ShardDataset(ds, decode=True, shuffle=False)
+    keys = [s["__key__"] for s in shardio.ShardDataset(ds, shuffle=False)]
+    for i, key in enumerate(keys):
+        if key in ("ps", "tga", "sgi"):
+            with pytest.raises(DecodeError, match=rf"sample '{key}' .*not an image in one of "
+                                                  r"the formats JPEG, PNG") as info:
+                dataset[i]
+            assert "Ghostscript" not in str(info.value)
+        else:
+            sample = dataset[i]
+            image = next(v for k, v in sample.items() if k != "__key__")
+            assert image.shape == (8, 16, 3) and image.dtype == np.uint8, key
