@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 import shardio
-from shardio.errors import DecodeError, UsageError
+from shardio.errors import DecodeError, ManifestCorruptError, UsageError
 from shardio.manifest import _body_digest
 
 
-def _pack(src: Path, out: Path, **options: object) -> Path:
-    shardio.pack(src, out, samples_per_shard=4, fsync=False, progress=False, **options)
+def _pack(src: Path, out: Path, **options: Any) -> Path:
+    options.setdefault("samples_per_shard", 4)
+    shardio.pack(src, out, fsync=False, progress=False, **options)
     return out
 
 
@@ -201,3 +202,34 @@ def test_image_fields_decode_only_from_the_image_formats(tmp_path: Path) -> None
             sample = dataset[i]
             image = next(v for k, v in sample.items() if k != "__key__")
             assert image.shape == (8, 16, 3) and image.dtype == np.uint8, key
+
+
+FILE_CLASHES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "index_is_another_shard": lambda d: d["shards"][0].update(index=d["shards"][1]["path"]),
+    "index_is_its_own_shard": lambda d: d["shards"][0].update(index=d["shards"][0]["path"]),
+    "index_is_another_index": lambda d: d["shards"][0].update(index=d["shards"][1]["index"]),
+    "index_is_the_manifest": lambda d: d["shards"][0].update(index="./manifest.json"),
+    "dictionary_is_a_shard": lambda d: d.update(compression={
+        "codec": "zstd", "level": 3, "dictionary": d["shards"][2]["path"],
+        "dictionary_digest": "0"}),
+}
+
+
+@pytest.mark.parametrize("clash", sorted(FILE_CLASHES))
+def test_a_manifest_naming_one_file_twice_is_refused_before_repair_writes(
+        clash: str, cli: Any, tmp_path: Path) -> None:
+    """A manifest (edited, digest resealed) whose shard index path named another shard or the
+    manifest itself loaded; `shardio repair` then found "the index damaged" and wrote an index
+    over that file, destroying a good shard (or the manifest)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        (src / f"s{i}.txt").write_text(f"text {i} " * 20)
+    ds = _pack(src, tmp_path / "ds", samples_per_shard=2)
+    _reseal(ds, FILE_CLASHES[clash])
+    before = {p.name: p.read_bytes() for p in ds.iterdir()}
+    with pytest.raises(ManifestCorruptError, match=r"names \S+ twice"):
+        shardio.Manifest.load(ds)
+    rc, _out, err = cli("repair", ds)
+    assert rc == 1 and "ManifestCorruptError" in err and "twice" in err, err
+    assert {p.name: p.read_bytes() for p in ds.iterdir()} == before
