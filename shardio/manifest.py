@@ -306,7 +306,8 @@ def _canonical_json(body: dict[str, Any]) -> bytes:
 
 def _check_totals(data: dict[str, Any], where: str) -> None:
     """A manifest whose shard list cannot be right (edited, its digest recomputed): every shard
-    once, every file it names (shard, index, dictionary) distinct, no negative count.  (``num_samples`` not their sum is a problem ``verify`` reports.)"""
+    once, every file it names (shard, index, dictionary) distinct, no negative count, totals
+    within int64.  (``num_samples`` not their sum is a problem ``verify`` reports.)"""
     shards = data["shards"]
     paths = [posixpath.normpath(s["path"]) for s in shards]  # ("./a.tar" is "a.tar")
     if len(set(paths)) != len(paths):
@@ -334,6 +335,14 @@ def _check_totals(data: dict[str, Any], where: str) -> None:
             for v in data["fields"].values()):
         raise ManifestCorruptError(f"{where} has a negative or non-integer count; restore it "
                                    "or repack")
+    for name in ("samples", "bytes"):
+        # (each is below _MAX_INT; their sum, the readers' int64 offsets, must be too)
+        total = sum(s[name] for s in shards)
+        if total >= _MAX_INT:
+            raise ManifestCorruptError(
+                f"{where}: its shards' {name} add up to {total}, more than any dataset holds; "
+                "the manifest was edited or damaged: restore it, or rebuild it with "
+                "`shardio index` (tar) / repack")
 
 
 def _body_digest(body: dict[str, Any]) -> str:

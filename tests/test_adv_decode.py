@@ -233,3 +233,26 @@ def test_a_manifest_naming_one_file_twice_is_refused_before_repair_writes(
     rc, _out, err = cli("repair", ds)
     assert rc == 1 and "ManifestCorruptError" in err and "twice" in err, err
     assert {p.name: p.read_bytes() for p in ds.iterdir()} == before
+
+
+@pytest.mark.parametrize("field", ["samples", "bytes"])
+def test_shard_counts_whose_total_overflows_int64_are_refused(field: str, tmp_path: Path) -> None:
+    """Each shard's count was bounded (below 2**60) but not their sum: nine shards of 2**60 - 1
+    samples (digest resealed) loaded, and every reader died of numpy's int64 cumsum wrapping
+    negative: "ValueError: __len__() should return >= 0"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(18):
+        (src / f"s{i:02d}.txt").write_text(f"t{i}")
+    ds = _pack(src, tmp_path / "ds", samples_per_shard=2)
+
+    def edit(d: dict[str, Any]) -> None:
+        assert len(d["shards"]) == 9
+        for shard in d["shards"]:
+            shard[field] = (1 << 60) - 1
+
+    _reseal(ds, edit)
+    with pytest.raises(ManifestCorruptError, match=rf"shards' {field} add up to"):
+        shardio.Manifest.load(ds)
+    with pytest.raises(ManifestCorruptError, match=rf"shards' {field} add up to"):
+        len(shardio.ShardDataset(ds))
