@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from typing import Any
 
 import numpy as np
@@ -47,23 +48,15 @@ _TEXTUAL = frozenset({"json", "jsn", "txt", "text"})
 _I16_DTYPES = {"I;16": "<u2", "I;16L": "<u2", "I;16B": ">u2", "I;16N": "=u2"}
 
 
-class _TooManyPixels(Exception):
-    """Pillow refused an image as a possible decompression bomb (``PIL.Image.MAX_IMAGE_PIXELS``):
-    a well-formed file, which :func:`decode_sample` reports with that setting as the fix."""
-
-
 def _image(data: bytes, mode: str) -> np.ndarray:
     try:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import UnidentifiedImageError
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise MissingDependencyError("decoding images needs Pillow: pip install pillow") from exc
     try:
         return _pillow_decode(data, mode)
     except UnidentifiedImageError as exc:  # (its message names a BytesIO object)
         raise ValueError(f"not an image in one of the formats {', '.join(_PIL_FORMATS)}") from exc
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        # (the warning, past MAX_IMAGE_PIXELS but under twice it, raises under -W error)
-        raise _TooManyPixels(str(exc)) from exc
 
 
 def _pillow_decode(data: bytes, mode: str) -> np.ndarray:
@@ -132,6 +125,16 @@ def decode_field(name: str, data: bytes, *, allow_pickle: bool = False,
     return data
 
 
+def _pixel_limit(exc: BaseException) -> int | None:
+    """``PIL.Image.MAX_IMAGE_PIXELS`` when ``exc`` is Pillow refusing an image over it (the
+    warning, past the limit but under twice it, raises under ``-W error``), else None."""
+    image = sys.modules.get("PIL.Image")
+    if image is None or not isinstance(
+            exc, (image.DecompressionBombError, image.DecompressionBombWarning)):
+        return None
+    return image.MAX_IMAGE_PIXELS  # type: ignore[no-any-return]
+
+
 def decode_sample(sample: dict[str, Any], *, allow_pickle: bool = False,
                   image_mode: str = "RGB") -> dict[str, Any]:
     """Decode every field of a raw sample; keys starting with ``__`` are left as they are.
@@ -152,16 +155,15 @@ def decode_sample(sample: dict[str, Any], *, allow_pickle: bool = False,
             raise
         except UsageError as exc:  # (a pickle without allow_pickle): say which sample it is
             raise UsageError(f"sample {sample.get('__key__')!r}: {exc}") from None
-        except _TooManyPixels as exc:
-            from PIL import Image
-
-            raise DecodeError(
-                f"sample {sample.get('__key__')!r} field {k!r} is refused by Pillow as a possible "
-                f"decompression bomb ({exc}); if the data is trusted, raise the limit in every "
-                f"process that decodes (PIL.Image.MAX_IMAGE_PIXELS, now {Image.MAX_IMAGE_PIXELS}; "
-                "None for no limit), or read raw bytes with decode=False"
-            ) from exc.__cause__
         except Exception as exc:
+            limit = _pixel_limit(exc)
+            if limit is not None:  # (a well-formed image: the setting is the fix)
+                raise DecodeError(
+                    f"sample {sample.get('__key__')!r} field {k!r} is refused by Pillow as a "
+                    f"possible decompression bomb ({exc}); if the data is trusted, raise the "
+                    f"limit in every process that decodes (PIL.Image.MAX_IMAGE_PIXELS, now "
+                    f"{limit}; None for no limit), or read raw bytes with decode=False"
+                ) from exc
             image = k.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS
             raise DecodeError(
                 f"sample {sample.get('__key__')!r} field {k!r} does not decode ({exc}); the "
