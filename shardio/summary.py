@@ -26,7 +26,9 @@ def describe(root: str | os.PathLike[str]) -> dict[str, Any]:
         "raw_bytes": sum(s.raw_bytes for s in m.shards),
         "fields": m.fields,
         "checksum": {"sample": m.checksum, "shard": m.digest},
-        "compression": m.compression,
+        # (the settings shardio knows: another key, unchecked, may hold a NaN, not JSON)
+        "compression": {k: v for k, v in m.compression.items() if k in _COMPRESSION_KEYS}
+        if m.compression else m.compression,
         # (stats are informative, written by the pack: values of another type are left out)
         "compression_ratio": _number(stats.get("compression_ratio")),
         "labels": m.label_names,
@@ -36,6 +38,9 @@ def describe(root: str | os.PathLike[str]) -> dict[str, Any]:
             for s in m.shards
         ],
     }
+
+
+_COMPRESSION_KEYS = ("codec", "level", "dictionary", "dictionary_digest")
 
 
 def _number(value: Any) -> float | None:

@@ -83,6 +83,21 @@ def test_inspect_of_a_ratio_past_the_floats_is_unknown(ratio: float, cli: Any,
     assert rc == 0 and "compression zstd:3 (ratio unknown)" in out, out + err
 
 
+def test_inspect_json_shows_only_the_compression_settings_shardio_knows(cli: Any,
+                                                                      tmp_path: Path) -> None:
+    """The compression section was printed whole: a key shardio does not know (unchecked,
+    digest resealed) holding NaN made `inspect --json` print JSON no strict parser takes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("text " * 50)
+    ds = _pack(src, tmp_path / "ds", compress="zstd:5")
+    _reseal(ds, lambda d: d["compression"].update(extra=float("nan")))
+    rc, out, err = cli("inspect", "--json", ds)
+    assert rc == 0, err
+    assert _strict_json(out)["compression"] == {
+        "codec": "zstd", "level": 5, "dictionary": None, "dictionary_digest": None}
+
+
 def test_an_image_past_pillows_pixel_limit_names_the_limit(tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A well-formed image over Pillow's decompression-bomb limit was a DecodeError saying the
