@@ -77,10 +77,21 @@ def _pillow_decode(data: bytes, mode: str) -> np.ndarray:
             top = int(wide.max()) if wide.size else 0
             if (img.mode != "I" or top > 0xFF) and top <= 0xFFFF and int(wide.min()) >= 0:
                 narrow = (wide.astype(np.uint32) >> 8).astype(np.uint8)
-                return np.array(Image.fromarray(narrow, "L").convert(mode))
+                return np.array(_convert(Image.fromarray(narrow, "L"), mode))
         # np.array, not np.asarray: an array over Pillow's bytes is read-only (torch warns at
         # from_numpy and in-place augmentations fail); one copy, next to the decode itself.
-        return np.array(img.convert(mode))
+        return np.array(_convert(img, mode))
+
+
+def _convert(img: Any, mode: str) -> Any:
+    try:
+        return img.convert(mode)
+    except ValueError:
+        # Pillow converts some pairs only through another mode (P -> I;16, L -> La, LA ->
+        # RGBa: "conversion not supported"); RGBA converts to every mode.
+        if img.mode in (mode, "RGBA"):
+            raise
+        return img.convert("RGBA").convert(mode)
 
 
 def _npy(name: str, data: bytes, allow_pickle: bool) -> Any:

@@ -271,3 +271,32 @@ def test_shard_counts_whose_total_overflows_int64_are_refused(field: str, tmp_pa
         shardio.Manifest.load(ds)
     with pytest.raises(ManifestCorruptError, match=rf"shards' {field} add up to"):
         len(shardio.ShardDataset(ds))
+
+
+@pytest.mark.parametrize(("source", "image_mode", "want"), [
+    ("P", "I;16", [[100, 100]]),
+    ("L", "La", [[[77, 255], [77, 255]]]),
+    ("L", "RGBa", [[[77, 77, 77, 255], [77, 77, 77, 255]]]),
+    ("LA", "RGBa", [[[77, 77, 77, 255], [77, 77, 77, 255]]]),
+    ("I;16", "La", [[[156, 255], [156, 255]]]),
+])
+def test_image_modes_pillow_converts_only_indirectly(source: str, image_mode: str,
+                                                     want: list[Any], tmp_path: Path) -> None:
+    """ReadOptions accepts every Pillow mode, but Pillow has no direct conversion for some
+    pairs: a palette PNG among 16-bit ones read with image_mode="I;16", or a grayscale image
+    with "La"/"RGBa", was a DecodeError ("conversion not supported") mid-epoch."""
+    from PIL import Image
+
+    if source == "P":
+        image = Image.new("P", (2, 1))
+        image.putpalette([100, 100, 100] * 256)
+    elif source == "I;16":
+        image = Image.fromarray(np.full((1, 2), 40000, dtype=np.uint16))
+    else:
+        image = Image.new(source, (2, 1), 77 if source == "L" else (77, 255))
+    src = tmp_path / "src"
+    src.mkdir()
+    image.save(src / "a.png")
+    ds = _pack(src, tmp_path / "ds")
+    got = shardio.ShardDataset(ds, decode=True, image_mode=image_mode)[0]["png"]
+    assert got.tolist() == want
