@@ -96,12 +96,19 @@ def _convert(img: Any, mode: str) -> Any:
 
 def _npy(name: str, data: bytes, allow_pickle: bool) -> Any:
     try:
-        return np.load(io.BytesIO(data), allow_pickle=allow_pickle)
+        value = np.load(io.BytesIO(data), allow_pickle=allow_pickle)
     except ValueError as exc:
         # numpy refuses an object array (its items are pickled) or a pickle in an .npy: a valid
         # file the user did not trust, not a malformed one ("allow_pickle" is in both messages)
         if allow_pickle or "allow_pickle" not in str(exc):
             raise
+    else:
+        if not isinstance(value, np.lib.npyio.NpzFile):  # (or, trusted, a pickle's object)
+            return value
+        # np.load opens a zip as a lazy NpzFile (a lock inside: a DataLoader worker could
+        # not send it and the loader waited for ever), not the array the field promises
+        value.close()
+        raise ValueError("it is an .npz archive, not an .npy array")
     raise UsageError(
         f"field {name!r} is an .npy holding pickled data (an array of object dtype); "
         "unpickling runs arbitrary code, so shardio decodes it only with allow_pickle=True "

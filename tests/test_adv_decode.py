@@ -300,3 +300,26 @@ def test_image_modes_pillow_converts_only_indirectly(source: str, image_mode: st
     ds = _pack(src, tmp_path / "ds")
     got = shardio.ShardDataset(ds, decode=True, image_mode=image_mode)[0]["png"]
     assert got.tolist() == want
+
+
+@pytest.mark.parametrize("allow_pickle", [False, True])
+def test_an_npz_in_an_npy_field_is_a_decode_error_not_a_lazy_archive(
+        allow_pickle: bool, tmp_path: Path) -> None:
+    """np.load opens a zip as a lazy NpzFile: an .npz named .npy was delivered as one (not an
+    array), and under DataLoader workers, which cannot pickle it (it holds a lock), the loader
+    waited for ever (until its timeout)."""
+    from torch.utils.data import DataLoader
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        buf = io.BytesIO()
+        np.savez(buf, a=np.arange(3))
+        (src / f"s{i}.npy").write_bytes(buf.getvalue())
+    ds = _pack(src, tmp_path / "ds")
+    dataset = shardio.ShardDataset(ds, decode=True, allow_pickle=allow_pickle)
+    with pytest.raises(DecodeError, match=r"field 'npy' does not decode \(it is an \.npz "):
+        dataset[0]
+    loader = DataLoader(dataset, batch_size=1, num_workers=1, collate_fn=list, timeout=60)
+    with pytest.raises(DecodeError, match=r"\.npz archive"):
+        list(loader)
