@@ -198,7 +198,9 @@ class Manifest:
             ManifestCorruptError, ManifestVersionError, UnsafePathError: see :meth:`from_dict`.
         """
         directory = os.fspath(directory)
-        path = directory if directory.endswith(".json") else os.path.join(directory, MANIFEST_NAME)
+        # (a dataset directory may itself be named *.json: pack writes one such)
+        path = (directory if directory.endswith(".json") and not os.path.isdir(directory)
+                else os.path.join(directory, MANIFEST_NAME))
         try:
             raw = read_regular(path)
         except FileNotFoundError as exc:

@@ -323,3 +323,22 @@ def test_an_npz_in_an_npy_field_is_a_decode_error_not_a_lazy_archive(
     loader = DataLoader(dataset, batch_size=1, num_workers=1, collate_fn=list, timeout=60)
     with pytest.raises(DecodeError, match=r"\.npz archive"):
         list(loader)
+
+
+def test_a_dataset_directory_named_like_a_json_file_is_read(cli: Any, tmp_path: Path) -> None:
+    """Manifest.load took any path ending in .json for the manifest itself: `shardio pack SRC
+    data.json` wrote a dataset no reader, `inspect` or `verify` could open ("data.json is a
+    directory, not a manifest")."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello")
+    ds = _pack(src, tmp_path / "data.json")
+    assert shardio.Manifest.load(ds).num_samples == 1
+    assert shardio.Manifest.load(ds / "manifest.json").num_samples == 1
+    assert shardio.ShardDataset(ds, decode=True)[0]["txt"] == "hello"
+    with shardio.open_dataset(ds) as reader:
+        assert [bytes(s["txt"]) for s in reader] == [b"hello"]
+    rc, out, err = cli("inspect", "--json", ds)
+    assert rc == 0 and json.loads(out)["samples"] == 1, err
+    rc, out, err = cli("verify", ds)
+    assert rc == 0, out + err
