@@ -114,9 +114,16 @@ class Codec:
         if not flags & FLAG_ZSTD:
             return stored if isinstance(stored, bytes) else bytes(stored)
         self._ensure()
+        zstd = _zstd()
         try:
+            # A frame's header says how large it decompresses (-1: unknown, then the bound
+            # is raw_length); decompress() allocates that much before it reads a block, so a
+            # damaged header (readers with verify=False) raised MemoryError, not this error.
+            size = zstd.frame_content_size(stored)
+            if size not in (-1, raw_length):
+                raise self._mismatch(f"its frame header says {size} bytes, not {raw_length}")
             out = self._d.decompress(stored, max_output_size=raw_length)
-        except _zstd().ZstdError as exc:
+        except zstd.ZstdError as exc:
             raise self._mismatch(str(exc)) from exc
         if len(out) != raw_length:
             raise self._mismatch(f"{len(out)} bytes, not {raw_length}")

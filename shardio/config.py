@@ -261,7 +261,8 @@ class ReadOptions:
         remainder: ``"pad"`` (repeat samples so every rank gets ceil(N/R)) or ``"drop"``.
         shuffle_block: samples shuffled together; bounds the memory of the shuffle.
         verify: check the per-field checksum of every sample read.
-        allow_pickle: let ``decode=True`` unpickle ``pickle``/``pyd`` fields (untrusted code).
+        allow_pickle: let ``decode=True`` unpickle ``pickle``/``pyd`` fields and ``npy`` arrays
+            of ``object`` dtype (untrusted code).
         image_mode: Pillow mode images decode to (``"RGB"``, ``"L"``, ...).
         max_open_shards: shard readers (descriptor + index) kept open per process.  A shuffle
             block spans about ``shuffle_block / samples per shard`` shards read in random order:

@@ -198,7 +198,9 @@ class Manifest:
             ManifestCorruptError, ManifestVersionError, UnsafePathError: see :meth:`from_dict`.
         """
         directory = os.fspath(directory)
-        path = directory if directory.endswith(".json") else os.path.join(directory, MANIFEST_NAME)
+        # (a dataset directory may itself be named *.json: pack writes one such)
+        path = (directory if directory.endswith(".json") and not os.path.isdir(directory)
+                else os.path.join(directory, MANIFEST_NAME))
         try:
             raw = read_regular(path)
         except FileNotFoundError as exc:
@@ -306,18 +308,43 @@ def _canonical_json(body: dict[str, Any]) -> bytes:
 
 def _check_totals(data: dict[str, Any], where: str) -> None:
     """A manifest whose shard list cannot be right (edited, its digest recomputed): every shard
-    once, no negative count.  (``num_samples`` not their sum is a problem ``verify`` reports.)"""
+    once, every file it names (shard, index, dictionary) distinct, no negative count, totals
+    within int64.  (``num_samples`` not their sum is a problem ``verify`` reports.)"""
     shards = data["shards"]
     paths = [posixpath.normpath(s["path"]) for s in shards]  # ("./a.tar" is "a.tar")
     if len(set(paths)) != len(paths):
         twice = sorted({p for p in paths if paths.count(p) > 1})
         raise ManifestCorruptError(f"{where} lists shard {twice[0]} more than once; restore it "
                                    "or repack")
+    # Every file the manifest names is a different one, and none is the manifest: repair
+    # writes an index or dictionary where the manifest says it is, over whatever file that is
+    # (an index path naming another shard made `shardio repair` overwrite that good shard).
+    files = [(p, "a shard") for p in paths] + [
+        (posixpath.normpath(s["index"]), "an index") for s in shards if s.get("index")]
+    dictionary = (data.get("compression") or {}).get("dictionary")
+    if dictionary:
+        files.append((posixpath.normpath(dictionary), "the zstd dictionary"))
+    seen: dict[str, str] = {MANIFEST_NAME: "the manifest itself"}
+    for path, kind in files:
+        if path in seen:
+            raise ManifestCorruptError(
+                f"{where} names {path} twice, as {seen[path]} and as {kind}: the manifest was "
+                "edited or damaged; restore it, or rebuild it with `shardio index` (tar) / "
+                "repack")
+        seen[path] = kind
     if any(s["samples"] < 0 or s["bytes"] < 0 for s in shards) or any(
             isinstance(v, bool) or not isinstance(v, int) or v < 0
             for v in data["fields"].values()):
         raise ManifestCorruptError(f"{where} has a negative or non-integer count; restore it "
                                    "or repack")
+    for name in ("samples", "bytes"):
+        # (each is below _MAX_INT; their sum, the readers' int64 offsets, must be too)
+        total = sum(s[name] for s in shards)
+        if total >= _MAX_INT:
+            raise ManifestCorruptError(
+                f"{where}: its shards' {name} add up to {total}, more than any dataset holds; "
+                "the manifest was edited or damaged: restore it, or rebuild it with "
+                "`shardio index` (tar) / repack")
 
 
 def _body_digest(body: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -25,7 +26,9 @@ def describe(root: str | os.PathLike[str]) -> dict[str, Any]:
         "raw_bytes": sum(s.raw_bytes for s in m.shards),
         "fields": m.fields,
         "checksum": {"sample": m.checksum, "shard": m.digest},
-        "compression": m.compression,
+        # (the settings shardio knows: another key, unchecked, may hold a NaN, not JSON)
+        "compression": {k: v for k, v in m.compression.items() if k in _COMPRESSION_KEYS}
+        if m.compression else m.compression,
         # (stats are informative, written by the pack: values of another type are left out)
         "compression_ratio": _number(stats.get("compression_ratio")),
         "labels": m.label_names,
@@ -37,9 +40,19 @@ def describe(root: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
+_COMPRESSION_KEYS = ("codec", "level", "dictionary", "dictionary_digest")
+
+
 def _number(value: Any) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if ok else None
+    # (NaN or Infinity, which json reads, would make `inspect --json` print JSON no parser
+    # takes; an integer past a float's range made float() raise OverflowError)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _counts(value: Any) -> dict[str, int]:
