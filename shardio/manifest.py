@@ -45,10 +45,21 @@ from .errors import (
     ManifestVersionError,
 )
 
-__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "ShardEntry"]
+__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "ShardEntry", "dataset_dir"]
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+
+
+def dataset_dir(path: str | os.PathLike[str]) -> str:
+    """The dataset directory ``path`` names: ``path`` itself, or the directory holding it when
+    it is the manifest file (which :meth:`Manifest.load` also takes).  (Given the manifest's
+    path, readers looked for ``manifest.json/shard-000000.tar`` and verify reported every shard
+    missing.)"""
+    p = os.fspath(path)
+    if os.path.basename(p) == MANIFEST_NAME and os.path.isfile(p):
+        return os.path.dirname(p) or "."
+    return p
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from .lustre import (
     read_block_size,
     spread_by_ost,
 )
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, dataset_dir
 from .repair import FAULTS, Copy, CopyLadder, rebuilt_index_matches
 
 log = logging.getLogger("shardio.reader")
@@ -117,7 +117,7 @@ class DatasetReader:
                  max_open_shards: int = 256, cache: Any = None, replicas: Sequence[str] = (),
                  quarantine: bool = False, on_corrupt: str = "raise",
                  read_block: int = 8 << 20) -> None:
-        self.root = os.fspath(root)
+        self.root = dataset_dir(root)
         self.max_open_shards = max_open_shards
         # (stat first: a manifest replaced between the two is then seen as changed, and checked)
         self._manifest_ident = self._manifest_now()

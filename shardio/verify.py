@@ -37,7 +37,14 @@ from .codec import FLAG_ZSTD, Codec
 from .errors import ShardioError
 from .formats import Problem, ShardIndex, load_index, verify_fields
 from .formats.tarcheck import tar_structure_problems
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry, _body_digest, _canonical_json
+from .manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardEntry,
+    _body_digest,
+    _canonical_json,
+    dataset_dir,
+)
 from .parity import PARITY_DIR, PARITY_FILE
 from .reader import load_codec
 from .repair import rebuilt_index_matches
@@ -303,7 +310,7 @@ def verify_dataset(root: str | os.PathLike[str], workers: int = 1) -> list[Probl
         root: dataset directory.
         workers: processes hashing shards and parity files in parallel.
     """
-    root = os.fspath(root)
+    root = dataset_dir(root)
     manifest, problems = _manifest_problems(root)
     if manifest is None:
         return problems

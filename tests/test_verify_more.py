@@ -800,3 +800,19 @@ def test_ctrl_c_says_resume_only_for_commands_that_resume(
     assert rc == 130 and "Traceback" not in err
     assert err.strip().endswith(f"shardio {command}: interrupted"
                                 + ("; rerun the same command to resume" if resumable else ""))
+
+
+def test_the_manifest_path_names_its_dataset(small_tree: Path, tmp_path: Path) -> None:
+    """Manifest.load takes the manifest file's path; the readers and verify took it as the
+    dataset directory (shards looked for under manifest.json/, every one reported missing)."""
+    from shardio import ShardDataset
+    from shardio.reader import open_dataset
+
+    ds = tmp_path / "ds"
+    pack_into(small_tree, ds, "tar", samples_per_shard=3)
+    manifest = ds / "manifest.json"
+    assert shardio.verify_dataset(manifest) == []
+    with open_dataset(manifest) as r, open_dataset(ds) as want:
+        assert r.root == str(ds)
+        assert [s["__key__"] for s in r] == [s["__key__"] for s in want]
+    assert len(list(ShardDataset(str(manifest)))) == len(list(ShardDataset(str(ds))))
