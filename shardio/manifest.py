@@ -158,7 +158,7 @@ class Manifest:
                 "`shardio index TAR...`, otherwise pack the data with `shardio pack`"
             )
         version = data.get("version")
-        if not isinstance(version, int) or version < 1:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ManifestCorruptError(f"{where}: invalid format version {version!r}")
         if version > FORMAT_VERSION:
             if strict and data.get("manifest_digest") != _body_digest(data):

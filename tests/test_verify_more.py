@@ -816,3 +816,17 @@ def test_the_manifest_path_names_its_dataset(small_tree: Path, tmp_path: Path) -
         assert r.root == str(ds)
         assert [s["__key__"] for s in r] == [s["__key__"] for s in want]
     assert len(list(ShardDataset(str(manifest)))) == len(list(ShardDataset(str(ds))))
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1", 0, None])
+def test_a_format_version_that_is_not_a_positive_integer_is_refused(
+        small_tree: Path, tmp_path: Path, version: Any) -> None:
+    """``"version": true`` was read as version 1 (a bool is an int)."""
+    from shardio.errors import ManifestCorruptError
+    from shardio.manifest import Manifest
+
+    ds = tmp_path / "ds"
+    pack_into(small_tree, ds, "tar", samples_per_shard=3)
+    rewrite_manifest(ds, lambda d: d.__setitem__("version", version), redigest=True)
+    with pytest.raises(ManifestCorruptError, match="invalid format version"):
+        Manifest.load(ds)
