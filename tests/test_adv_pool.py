@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from shardio import ShardDataset, ShardLoader
@@ -25,6 +24,7 @@ from shardio.errors import UsageError, WorkerError
 from shardio.topology import pinnable_cpus
 from tests.test_dataset import pack_text
 from tests.test_loader import wait_gone
+from tests.test_pool_robust import live_children
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,17 +34,6 @@ SHM = Path("/dev/shm")
 def our_rings() -> set[str]:
     pat = re.compile(rf"shardio-{os.getpid()}-[0-9a-f]{{16}}")
     return {n for n in os.listdir(SHM) if pat.fullmatch(n)}
-
-
-def live_children() -> list[int]:
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 @pytest.fixture(autouse=True)

@@ -20,20 +20,18 @@ from shardio.manifest import Manifest
 from shardio.stage import NodeCache, StageOptions, Stager
 from shardio.topology import Topology
 from tests.conftest import flip_bit, mounted_tmpfs
-from tests.test_stage import FAST, copy_ok, schedule, sizes_of, wait_until
-from tools.make_dataset import make_images
+from tests.test_stage import (  # noqa: F401  (dataset: the fixture)
+    FAST,
+    copy_ok,
+    dataset,
+    schedule,
+    sizes_of,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """60 JPEGs (5-12 KB) in 15 tar shards of 4 samples (34-47 KB each, with .idx files)."""
-    base = tmp_path_factory.mktemp("advstage")
-    make_images(str(base / "src"), files=60, classes=3, min_kb=5, max_kb=12, seed=1, pool=12)
-    shardio.pack(base / "src", base / "ds", samples_per_shard=4, label_from_dir=True,
-                 fsync=False, progress=False)
-    return base / "ds"
 
 
 @pytest.fixture
