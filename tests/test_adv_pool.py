@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,27 +21,10 @@ from shardio.config import LoaderOptions
 from shardio.errors import UsageError, WorkerError
 from shardio.topology import pinnable_cpus
 from tests.test_dataset import pack_text
-from tests.test_loader import wait_gone
-from tests.test_pool_robust import live_children
+from tests.test_pool_robust import _no_leftovers, live_children  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
-SHM = Path("/dev/shm")
-
-
-def our_rings() -> set[str]:
-    pat = re.compile(rf"shardio-{os.getpid()}-[0-9a-f]{{16}}")
-    return {n for n in os.listdir(SHM) if pat.fullmatch(n)}
-
-
-@pytest.fixture(autouse=True)
-def _no_leftovers() -> Iterator[None]:
-    """No ring file in /dev/shm and no live worker process survives a test."""
-    rings, procs = our_rings(), set(live_children())
-    yield
-    assert our_rings() - rings == set(), "shared memory left behind in /dev/shm"
-    assert wait_gone([p for p in live_children() if p not in procs], 5.0) == [], \
-        "worker processes left alive"
 
 
 @pytest.fixture(scope="module")
