@@ -11,14 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardio import PackOptions, pack
-
-
-@pytest.fixture
-def ds(image_tree: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "ds"
-    pack(image_tree, out, PackOptions(samples_per_shard=10, label_from_dir=True, fsync=False))
-    return out
+from tests.test_loaderbench import ds  # noqa: F401  (the fixture)
 
 
 def test_loader_bench_counts_the_last_steps_compute(ds: Path, cli) -> None:

@@ -127,6 +127,14 @@ def _forked(body: Any, timeout: float = 30.0) -> int:
     return 3
 
 
+def _reference_and_loader(text: Path) -> tuple[list[str], ShardLoader]:
+    """The epoch's keys read in-process, and a 2-worker loader of the same epoch."""
+    ds = ShardDataset(text)
+    ref = [b["__key__"] for b in ShardLoader(ds, batch_size=2, num_workers=0)]
+    return ref, ShardLoader(ds, batch_size=2, num_workers=2, ring_bytes=1 << 20,
+                            poll_interval=0.05)
+
+
 def test_a_forked_child_dropping_its_copy_of_the_loader_leaves_the_parents_workers_alone(
         text: Path) -> None:
     """A process forked while a loader runs (a fork that writes a checkpoint in the
@@ -134,10 +142,7 @@ def test_a_forked_child_dropping_its_copy_of_the_loader_leaves_the_parents_worke
     posted STOP to the parent's workers, marked the parent's rings closed and bumped the
     shared generation counter, so the parent's workers exited and its iteration ended with
     'this iterator was superseded by a newer iter(loader)'."""
-    ds = ShardDataset(text)
-    ref = [b["__key__"] for b in ShardLoader(ds, batch_size=2, num_workers=0)]
-    loader = ShardLoader(ds, batch_size=2, num_workers=2, ring_bytes=1 << 20,
-                         poll_interval=0.05)
+    ref, loader = _reference_and_loader(text)
     try:
         it = iter(loader)
         got = [next(it)["__key__"]]
@@ -161,10 +166,7 @@ def test_a_forked_child_dropping_its_copy_of_the_loader_leaves_the_parents_worke
 def test_a_forked_child_iterating_its_copy_of_the_loader_starts_its_own_workers(
         text: Path) -> None:
     """Before, the child's iteration drove the parent's workers (and they, its rings)."""
-    ds = ShardDataset(text)
-    ref = [b["__key__"] for b in ShardLoader(ds, batch_size=2, num_workers=0)]
-    loader = ShardLoader(ds, batch_size=2, num_workers=2, ring_bytes=1 << 20,
-                         poll_interval=0.05)
+    ref, loader = _reference_and_loader(text)
     try:
         it = iter(loader)
         got = [next(it)["__key__"]]

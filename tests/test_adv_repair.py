@@ -11,17 +11,8 @@ import shardio
 from shardio import Manifest, PackOptions, pack
 from shardio.errors import UnrepairableError
 from shardio.reader import DatasetReader
-from tests.test_repair import data  # noqa: F401  (the fixture)
+from tests.test_repair import data, flip_sample  # noqa: F401  (data: the fixture)
 from tools.faults import corrupt_dataset, flip_bits
-
-
-def flip_sample(root: Path, shard: int, sample: int) -> None:
-    """Flip one bit in the middle of the ``jpg`` field of ``sample`` of ``shard``."""
-    with DatasetReader(root) as r:
-        index = r.shard_index(shard)
-    row = next(j for j in index.rows(sample) if index.field_names[int(index.f_name[j])] == "jpg")
-    offset = int(index.f_offset[row]) + int(index.f_length[row]) // 2
-    flip_bits(root / Manifest.load(root).shards[shard].path, offset)
 
 
 def repair_counts(ds: shardio.ShardDataset) -> dict[str, int]:

@@ -20,26 +20,19 @@ from shardio.manifest import Manifest
 from shardio.stage import NodeCache, StageOptions, Stager
 from shardio.topology import Topology
 from tests.conftest import flip_bit, mounted_tmpfs
-from tests.test_stage import (  # noqa: F401  (dataset: the fixture)
+from tests.test_stage import (  # noqa: F401  (dataset, stagers: fixtures)
     FAST,
     copy_ok,
     dataset,
     schedule,
     sizes_of,
+    stagers,
     wait_until,
 )
 
 pytestmark = pytest.mark.timeout(60)
 
 
-
-
-@pytest.fixture
-def stagers() -> Iterator[list[Stager]]:
-    started: list[Stager] = []
-    yield started
-    for st in started:
-        st.stop(timeout=5)
 
 
 def _copy_dataset(dataset: Path, tmp_path: Path) -> tuple[Path, Manifest]:
